@@ -1,0 +1,163 @@
+"""Debug mode (``init(debug=True)`` or CUPYCOMM_DEBUG=1): before each collective, the ranks
+compare a fingerprint of the call, so that a disagreement raises on every rank at once
+instead of hanging or returning garbage.
+
+The fingerprint holds the collective's name, its sequence number, and for each array
+argument its kind, dtype, size and contiguity, plus op and root. Arguments that only the
+root reads (scatter's ``x``, gather's and reduce's ``out``) count on the root only; async_op
+and stream may differ. Point-to-point calls are not checked (only two ranks take part).
+Cost: building the fingerprint and one allgather of its 8-byte checksum per collective;
+the whole fingerprints travel only when the checksums differ (see the README for the
+measured figure).
+
+Example of the error, raised on every rank::
+
+    CollectiveMismatch: all_reduce #4: ranks disagree: rank 2 called all_reduce with x: 12
+    float32 (numpy), op: sum, out: None; ranks [0, 1, 3] called all_reduce with x: 10
+    float32 (numpy), op: sum, out: None (seen on rank 0)
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import zlib
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+
+from .errors import CollectiveMismatch
+
+__all__ = ["CHECKED", "install"]
+
+# Collective -> arguments read only on the root.
+CHECKED: Dict[str, Tuple[str, ...]] = {
+    "all_reduce": (), "reduce": ("out",), "broadcast": (), "all_gather": (),
+    "reduce_scatter": (), "all_to_all": (), "scatter": ("x",), "gather": ("out",),
+    "barrier": (), "broadcast_object": (), "all_gather_object": (), "gather_object": (),
+    "scatter_object": (),
+}
+_IGNORED = ("self", "async_op", "stream", "obj", "objs")   # objects may differ by rank
+_SPLITS = ("in_splits", "out_splits")   # rank-specific by nature: cross-checked instead
+
+
+def _array_print(value: Any, with_size: bool = True) -> Any:
+    """What identifies an array argument across ranks: (library, dtype, size, contiguous),
+    as plain values (text is made only for a message)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_array_print(v, with_size) for v in value)
+    dtype = getattr(value, "dtype", None)
+    if value is None:
+        return "None"
+    if dtype is None:
+        return type(value).__name__
+    flags = getattr(value, "flags", None)
+    return (type(value).__module__.split(".")[0], getattr(dtype, "str", str(dtype)),
+            value.size if with_size else None, flags is None or flags.c_contiguous)
+
+
+def _array_text(print_: Any) -> str:
+    if isinstance(print_, str):
+        return print_
+    if print_ and isinstance(print_[0], tuple):
+        return "[" + ", ".join(_array_text(p) for p in print_) + "]"
+    library, dtype, size, contiguous = print_
+    count = "" if size is None else f"{size} "
+    layout = "" if contiguous else " non-contiguous"
+    return f"{count}{np.dtype(dtype).name}{layout} ({library})"
+
+
+def fingerprint(name: str, arguments: Dict[str, Any], rank: int) -> Tuple:
+    """(name, ((argument, value), ...)): what must agree across ranks. With uneven splits,
+    array sizes differ by rank: the splits are cross-checked instead."""
+    root = arguments.get("root")
+    root_only = CHECKED[name] if rank != root else ()
+    uneven = any(arguments.get(key) is not None for key in _SPLITS)
+    parts = []
+    for key, value in arguments.items():
+        if key in _IGNORED or key in root_only or key in _SPLITS:
+            continue
+        if key in ("x", "out"):
+            parts.append((key, _array_print(value, with_size=not uneven)))
+        else:
+            parts.append((key, str(value)))
+    return name, tuple(parts)
+
+
+def _text(print_: Tuple) -> str:
+    name, parts = print_
+    described = ", ".join(f"{k}: {_array_text(v) if k in ('x', 'out') else v}" for k, v in parts)
+    return f"{name} with {described}" if parts else name
+
+
+def _mismatch(seq: int, prints: List[Tuple]) -> str:
+    groups: Dict[Tuple, List[int]] = {}
+    for rank, print_ in enumerate(prints):
+        groups.setdefault(print_, []).append(rank)
+    ordered = sorted(groups.items(), key=lambda item: len(item[1]))
+    described = [f"{'rank ' + str(ranks[0]) if len(ranks) == 1 else 'ranks ' + str(ranks)} "
+                 f"called {_text(print_)}" for print_, ranks in ordered]
+    return f"#{seq}: ranks disagree: " + "; ".join(described)
+
+
+def _splits_mismatch(splits: List[Tuple]) -> str:
+    """Where rank i's in_splits[j] differs from rank j's out_splits[i], as text ('' if none)."""
+    for i, (sent, _) in enumerate(splits):
+        for j, (_, received) in enumerate(splits):
+            if sent is not None and received is not None and list(sent)[j] != list(received)[i]:
+                return (f"rank {i} sends {list(sent)[j]} rows to rank {j} (in_splits), which "
+                        f"expects {list(received)[i]} from it (out_splits)")
+    return ""
+
+
+def _checked(comm: Any, name: str, method: Callable) -> Callable:
+    parameters = list(inspect.signature(method).parameters.values())
+    names = [p.name for p in parameters]
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+    mine = np.zeros(1, np.int64)
+    everyone = np.zeros(comm.size, np.int64)
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > len(names) or not set(kwargs) <= set(names):
+            return method(*args, **kwargs)   # the call's own TypeError, on every rank alike
+        given = dict(zip(names, args), **kwargs)
+        arguments = {n: given[n] if n in given else defaults[n] for n in names
+                     if n in given or n in defaults}
+        print_ = fingerprint(name, arguments, comm.rank)
+        splits = tuple(arguments.get(key) for key in _SPLITS)
+        # Ranks compare a checksum in one small allgather; only on a difference (or when
+        # uneven splits are given, which only the whole exchange can cross-check) do they
+        # exchange the whole fingerprints, to say who differs and how.
+        mine[0] = zlib.crc32(repr(print_).encode())
+        gathered = _exchange(comm._tracker, comm.mpi_comm, mine, everyone, (print_, splits))
+        if gathered is not None:
+            _raise_on_disagreement(comm, name, print_, gathered)
+        return method(*args, **kwargs)
+    return call
+
+
+def _exchange(tracker: Any, mpi_comm: Any, mine: np.ndarray, everyone: np.ndarray,
+              whole: Tuple) -> Any:
+    """Every rank's fingerprints when checksums (or uneven splits) differ, else None."""
+    with tracker.inside("debug check"):
+        mpi_comm.Allgather(mine, everyone)
+        if (everyone != mine[0]).any() or whole[1] != (None, None):
+            return mpi_comm.allgather(whole)
+    return None
+
+
+def _raise_on_disagreement(comm: Any, name: str, mine: Tuple, gathered: List[Tuple]) -> None:
+    prints = [p for p, _ in gathered]
+    seq = comm._tracker.seq + 1
+    if any(p != mine for p in prints):
+        raise CollectiveMismatch(f"{name} {_mismatch(seq, prints)} (seen on rank {comm.rank})")
+    disagreement = _splits_mismatch([s for _, s in gathered])
+    if disagreement:
+        raise CollectiveMismatch(f"{name} #{seq}: {disagreement} (seen on rank {comm.rank})")
+
+
+def install(comm: Any) -> None:
+    """Route ``comm``'s collectives through the fingerprint check (instance attributes, so
+    the class's call path, used without debug mode, stays as it is)."""
+    for name in CHECKED:
+        setattr(comm, name, _checked(comm, name, getattr(comm, name)))

@@ -1,0 +1,301 @@
+"""Host backend: NumPy arrays through mpi4py's buffer-protocol (upper-case) calls, never pickled.
+
+Blocking calls for the synchronous form, nonblocking ones (``Iallreduce``...) wrapped in a
+:class:`~cupycomm.work.HostWork` for ``async_op=True``. Data movement is described to MPI as
+bytes; reductions use the MPI datatype and op of the dtype table. ``op="avg"`` is a sum
+followed by a division on the receiving ranks.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Optional
+
+import numpy as np
+from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
+
+from .._dtypes import DTYPES, ReduceOp
+from ..work import HostWork
+
+__all__ = ["MPIBackend"]
+
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
+_NUMPY_OPS = {ReduceOp.SUM: np.add, ReduceOp.PROD: np.multiply, ReduceOp.MIN: np.minimum,
+              ReduceOp.MAX: np.maximum, ReduceOp.AVG: np.add}
+_BYTE = MPI.BYTE
+_IN_PLACE = MPI.IN_PLACE
+
+
+def _exports_buffer(dtype: np.dtype) -> bool:
+    try:
+        memoryview(np.empty(1, dtype))
+    except (ValueError, TypeError):   # "cannot include dtype 'E' in a buffer"
+        return False
+    return True
+
+
+def _emulated_op(dtype: np.dtype, carrier: np.dtype, op: ReduceOp) -> MPI.Op:
+    """An MPI op that reduces ``dtype`` values sent as ``carrier`` bits, computing in NumPy
+    (in float32 for 16-bit floats), for dtypes the MPI library has no type for."""
+    ufunc = _NUMPY_OPS[op]
+    wide = np.dtype(np.float32) if dtype.kind in "fV" and dtype.itemsize == 2 else dtype
+
+    def reduce(invec, inoutvec, datatype):
+        into = np.frombuffer(inoutvec, carrier).view(dtype)
+        result = ufunc(np.frombuffer(invec, carrier).view(dtype).astype(wide), into.astype(wide))
+        into[...] = result.astype(dtype)
+    return MPI.Op.Create(reduce, commute=True)
+
+
+def _tables() -> tuple:
+    """(movements, reductions): dtype -> the view to hand MPI (None: the array itself);
+    dtype -> requested op -> (MPI datatype, MPI op, divide by size afterwards, view)."""
+    movements, reductions = {}, {}
+    for dtype, row in DTYPES.items():
+        native = row.mpi_type is not None and _exports_buffer(dtype)
+        movements[dtype] = None if _exports_buffer(dtype) else row.carrier
+        if native:
+            reductions[dtype] = {op: (row.mpi_type, _MPI_OPS[applied], applied is ReduceOp.AVG,
+                                      None) for op, applied in row.ops.items()}
+        elif row.carrier is not None:
+            carrier_type = from_numpy_dtype(row.carrier)
+            reductions[dtype] = {op: (carrier_type, _emulated_op(dtype, row.carrier, applied),
+                                      applied is ReduceOp.AVG, row.carrier)
+                                 for op, applied in row.ops.items()}
+    return movements, reductions
+
+
+_MOVEMENTS, _REDUCTIONS = _tables()
+
+
+def _offsets(counts: list) -> list:
+    """Where each part starts: the running sum of the counts before it."""
+    return [0, *itertools.accumulate(counts[:-1])] if counts else []
+
+
+class MPIBackend:
+    """Collectives on host memory over one MPI communicator (owned by the Communicator).
+
+    Each collective prepares its buffers and makes its MPI call through one of two small
+    steps: :meth:`_block`, the blocking call, which also tells the watchdog what this rank
+    waits in; or :meth:`_start`, the nonblocking one, for ``async_op`` and batch() blocks.
+    """
+
+    name = "mpi"
+    array_type = np.ndarray
+    device_id = None
+    movements = _MOVEMENTS
+    reductions = _REDUCTIONS
+
+    def __init__(self, comm: MPI.Comm, tracker: Any) -> None:
+        self._comm = comm
+        self._size = comm.Get_size()
+        self._rank = comm.Get_rank()
+        self._tracker = tracker   # counts this rank's collectives, for the watchdog
+        self._group: Any = None   # the open batch() block, if any
+
+    # -- the blocking and the nonblocking MPI call, and what finishes one -------------------------
+    def _start(self, call: Callable, args: tuple, result: Any, keep: tuple, label: str,
+               finish: Optional[Callable[[], None]] = None) -> HostWork:
+        """Start the nonblocking ``call``: for async_op, and for every call in a batch()."""
+        group = self._group
+        if group is not None:
+            group.claim("host", label)
+        self._tracker.seq += 1
+        work = HostWork([call(*args)], result, keep, self, label, finish)
+        if group is not None:
+            group.works.append(work)
+        return work
+
+    def _block(self, label: str, call: Callable, *args: Any) -> None:
+        """Make the blocking MPI ``call``, its name in the tracker's ``busy`` while it lasts
+        (the watchdog judges hangs by it)."""
+        tracker = self._tracker
+        tracker.seq += 1
+        tracker.busy = label
+        try:
+            call(*args)
+        finally:
+            tracker.busy = None
+
+    def _divide(self, recv: np.ndarray) -> Callable[[], None]:
+        # Complex values divide as pairs of reals, as NCCL's average does.
+        reals = recv.reshape(-1).view(recv.real.dtype) if recv.dtype.kind == "c" else recv
+        size = self._size
+        return lambda: np.true_divide(reals, size, out=reals)
+
+    @staticmethod
+    def _unpack(pairs) -> Callable[[], None]:
+        def finish():
+            for dst, src in pairs:
+                dst[...] = src
+        return finish
+
+    # -- collectives ------------------------------------------------------------------------------
+    # ``view`` (in the spec) is None for the dtypes MPI takes as they are, else the carrier
+    # dtype that the buffers are viewed as (bfloat16 -> uint16).
+    def all_reduce(self, x, recv, spec, async_op, stream):
+        datatype, op, avg, view = spec
+        send = _IN_PLACE if recv is x else [x if view is None else x.view(view), datatype]
+        into = [recv if view is None else recv.view(view), datatype]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Iallreduce, (send, into, op), recv, (x, recv),
+                               "all_reduce", self._divide(recv) if avg else None)
+        self._block("all_reduce", self._comm.Allreduce, send, into, op)
+        if avg:
+            self._divide(recv)()
+        return recv
+
+    def reduce(self, x, recv, spec, root, async_op, stream):
+        datatype, op, avg, view = spec
+        if self._rank != root:
+            send, into = [x if view is None else x.view(view), datatype], None
+            result = finish = None
+        else:
+            send = _IN_PLACE if recv is x else [x if view is None else x.view(view), datatype]
+            into = [recv if view is None else recv.view(view), datatype]
+            result, finish = recv, (self._divide(recv) if avg else None)
+        if async_op or self._group is not None:
+            return self._start(self._comm.Ireduce, (send, into, op, root), result, (x, recv),
+                               "reduce", finish)
+        self._block("reduce", self._comm.Reduce, send, into, op, root)
+        if finish is not None:
+            finish()
+        return result
+
+    def broadcast(self, x, view, root, async_op, stream):
+        buf = [x if view is None else x.view(view), _BYTE]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Ibcast, (buf, root), x, (x,), "broadcast")
+        self._block("broadcast", self._comm.Bcast, buf, root)
+        return x
+
+    def all_gather(self, x, recv, view, async_op, stream, unpack=()):
+        send = [x if view is None else x.view(view), _BYTE]
+        into = [recv if view is None else recv.view(view), _BYTE]
+        # With unpack, the result is the list the parts are copied into.
+        result = [dst for dst, _ in unpack] if unpack else recv
+        finish = self._unpack(unpack) if unpack else None
+        if async_op or self._group is not None:
+            return self._start(self._comm.Iallgather, (send, into), result, (x, recv),
+                               "all_gather", finish)
+        self._block("all_gather", self._comm.Allgather, send, into)
+        if finish is not None:
+            finish()
+        return result
+
+    def reduce_scatter(self, x, recv, spec, async_op, stream):
+        datatype, op, avg, view = spec
+        send = [x if view is None else x.view(view), datatype]
+        into = [recv if view is None else recv.view(view), datatype]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Ireduce_scatter_block, (send, into, op), recv,
+                               (x, recv), "reduce_scatter", self._divide(recv) if avg else None)
+        self._block("reduce_scatter", self._comm.Reduce_scatter_block, send, into, op)
+        if avg:
+            self._divide(recv)()
+        return recv
+
+    def all_to_all(self, x, recv, view, async_op, stream):
+        send = [x if view is None else x.view(view), _BYTE]
+        into = [recv if view is None else recv.view(view), _BYTE]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Ialltoall, (send, into), recv, (x, recv),
+                               "all_to_all")
+        self._block("all_to_all", self._comm.Alltoall, send, into)
+        return recv
+
+    def all_to_all_v(self, x, recv, view, send_bytes, recv_bytes, async_op, stream):
+        """Uneven parts: ``send_bytes[j]`` go to rank ``j``, ``recv_bytes[i]`` come from ``i``."""
+        send = [x if view is None else x.view(view), (send_bytes, _offsets(send_bytes)), _BYTE]
+        into = [recv if view is None else recv.view(view), (recv_bytes, _offsets(recv_bytes)),
+                _BYTE]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Ialltoallv, (send, into), recv, (x, recv),
+                               "all_to_all")
+        self._block("all_to_all", self._comm.Alltoallv, send, into)
+        return recv
+
+    def scatter(self, x, recv, view, root, async_op, stream):
+        send = None if self._rank != root else [x if view is None else x.view(view), _BYTE]
+        into = [recv if view is None else recv.view(view), _BYTE]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Iscatter, (send, into, root), recv, (x, recv),
+                               "scatter")
+        self._block("scatter", self._comm.Scatter, send, into, root)
+        return recv
+
+    def gather(self, x, recv, view, root, async_op, stream):
+        send = [x if view is None else x.view(view), _BYTE]
+        into = None if self._rank != root else [recv if view is None else recv.view(view), _BYTE]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Igather, (send, into, root), recv, (x, recv),
+                               "gather")
+        self._block("gather", self._comm.Gather, send, into, root)
+        return recv
+
+    def send(self, x, view, peer, async_op, stream):
+        buf = [x if view is None else x.view(view), _BYTE]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Isend, (buf, peer), None, (x,), "send")
+        self._block("send", self._comm.Send, buf, peer)
+        return None
+
+    def recv(self, x, view, peer, async_op, stream):
+        buf = [x if view is None else x.view(view), _BYTE]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Irecv, (buf, peer), x, (x,), "recv")
+        self._block("recv", self._comm.Recv, buf, peer)
+        return x
+
+    def sendrecv(self, x, view, dst, buf, src, async_op, stream):
+        send = [x if view is None else x.view(view), _BYTE]
+        into = [buf if view is None else buf.view(view), _BYTE]
+        if async_op or self._group is not None:
+            return self._start(self._comm.Isendrecv, (send, dst, 0, into, src, 0), buf,
+                               (x, buf), "sendrecv")
+        self._block("sendrecv", self._comm.Sendrecv, send, dst, 0, into, src, 0)
+        return buf
+
+    def barrier(self, async_op: bool = False):
+        if async_op or self._group is not None:
+            return self._start(self._comm.Ibarrier, (), None, (), "barrier")
+        self._block("barrier", self._comm.Barrier)
+        return None
+
+    # -- batch() blocks: every call inside is nonblocking; the end of the block waits -------------
+    def begin_group(self, group: Any) -> None:
+        self._group = group
+
+    def end_group(self, group: Any) -> None:
+        self._group = None
+        if group.kind == "host":
+            requests = [request for work in group.works for request in work._requests]
+            self.wait_all(requests, "batch")
+            for work in group.works:
+                work._complete()
+
+    # -- memory, Work support, lifetime -----------------------------------------------------------
+    def empty(self, shape: tuple, dtype: Any) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def test_all(self, requests: list) -> bool:
+        return MPI.Request.Testall(requests)
+
+    def wait_all(self, requests: list, label: str) -> None:
+        tracker = self._tracker
+        tracker.busy = label     # waiting on calls that already counted in seq
+        try:
+            MPI.Request.Waitall(requests)
+        finally:
+            tracker.busy = None
+
+    def check_errors(self) -> None:
+        """MPI reports errors synchronously; nothing to poll."""
+
+    def expired(self, label: str, timeout: float) -> None:
+        self._tracker.expired(label, timeout)
+
+    def close(self) -> None:
+        """Nothing to free: the communicator owns the MPI communicator."""

@@ -1,0 +1,341 @@
+"""Device backend: CuPy arrays through ``cupy.cuda.nccl.NcclCommunicator``.
+
+Stream semantics (as in torch.distributed): every collective runs on this backend's own comm
+stream. The comm stream first waits on an event recorded on the caller's current stream (so
+kernels that wrote the input before the call are seen), NCCL is launched there, then the
+caller's stream waits on an event recorded after it (so kernels after the call see the
+result). The host never blocks. With ``async_op=True`` the caller's stream does not wait;
+the returned :class:`~cupycomm.work.DeviceWork` holds the completion event instead. With
+``stream=s`` the collective is launched on ``s`` itself, without events.
+
+Both events of the synchronous form are reused on every call: a CUDA stream wait captures
+the event's state when it is issued, so re-recording the event later cannot disturb it. The
+same choreography is what CUDA graph capture needs to fork and join the comm stream.
+
+Data movement is described to NCCL as bytes; reductions use the NCCL datatype and count
+factor of the dtype table (a complex element is two reals).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any
+
+from .._bootstrap import broadcast_unique_id
+from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
+from ..errors import CollectiveTimeout, NcclError
+from ..work import DeviceWork
+
+__all__ = ["NcclBackend"]
+
+
+def _reduction_table() -> dict:
+    """dtype -> requested op -> (NCCL datatype, NCCL elements per array element, NCCL op)."""
+    table = {}
+    for dtype, row in DTYPES.items():
+        if row.nccl_type is not None:
+            table[dtype] = {op: (row.nccl_type, row.nccl_count, NCCL_OPS[applied])
+                            for op, applied in row.ops.items()}
+    return table
+
+
+_REDUCTIONS = _reduction_table()
+_MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype as it is
+
+
+def _offsets(base: int, sizes: list) -> list:
+    """The address of each part laid end to end from ``base``."""
+    return [base + start for start in itertools.accumulate([0, *sizes[:-1]])]
+
+
+class NcclBackend:
+    """Collectives on one device over one NCCL communicator, created collectively.
+
+    ``cupy`` is the CuPy module, or in tests a host-memory stand-in with the same interface.
+    """
+
+    name = "nccl"
+    movements = _MOVEMENTS
+    reductions = _REDUCTIONS
+
+    def __init__(self, mpi_comm: Any, device_id: int, cupy: Any, tracker: Any,
+                 nccl_comm: Any = None) -> None:
+        cuda = cupy.cuda
+        self._cupy = cupy
+        self._nccl_module = cuda.nccl
+        self._raw_error = cuda.nccl.NcclError
+        self.array_type = cupy.ndarray
+        self.device_id = device_id
+        self._device = cuda.Device(device_id)
+        self._rank = mpi_comm.Get_rank()
+        self._size = mpi_comm.Get_size()
+        self._tracker = tracker
+        self._current_stream = cuda.get_current_stream
+        self._new_event = cuda.Event
+        self._inflight: collections.deque = collections.deque()
+        self._group: Any = None   # the open batch() block, if any
+        self._aborted = ""
+        with self._device:
+            if nccl_comm is None:
+                unique_id = broadcast_unique_id(mpi_comm, cuda.nccl.get_unique_id)
+                nccl_comm = self._nccl(lambda: cuda.nccl.NcclCommunicator(
+                    self._size, unique_id, self._rank), "init")
+            self._comm = nccl_comm
+            self._stream = cuda.Stream(non_blocking=True)
+            self._ready = cuda.Event(disable_timing=True)      # recorded on the caller's stream
+            self._finished = cuda.Event(disable_timing=True)   # recorded on the comm stream
+
+    @property
+    def stream(self) -> Any:
+        """The comm stream: where every collective without ``stream=`` runs."""
+        return self._stream
+
+    # -- the shared step: order, launch, complete -------------------------------------------------
+    def _failed(self, label: str, error: Exception) -> NcclError:
+        return NcclError(f"{label}: NCCL failed on rank {self._rank}: {error}")
+
+    def _nccl(self, call, label: str) -> Any:
+        try:
+            return call()
+        except self._raw_error as error:
+            raise self._failed(label, error) from error
+
+    def _launch(self, call, args: tuple, result, keep: tuple, label: str, async_op: bool,
+                stream: Any, unpack=()) -> Any:
+        """Run ``call(*args, stream_ptr)`` on the comm stream (or ``stream``), ordered by events."""
+        if self._aborted:
+            raise NcclError(f"{label}: the NCCL communicator was aborted ({self._aborted})")
+        self._tracker.seq += 1
+        if self._group is not None:
+            return self._launch_grouped(call, args, result, keep, label, stream)
+        if stream is None:
+            caller = self._current_stream()
+            self._ready.record(caller)
+            stream = self._stream
+            stream.wait_event(self._ready)
+        else:
+            caller = None
+        try:
+            call(*args, stream.ptr)
+        except self._raw_error as error:
+            raise self._failed(label, error) from error
+        if unpack:
+            with stream:
+                for dst, src in unpack:
+                    dst[...] = src
+        if async_op:
+            return self._work(stream, result, keep, label)
+        if caller is not None:
+            self._finished.record(stream)
+            caller.wait_event(self._finished)
+        return result
+
+    def _launch_grouped(self, call, args: tuple, result, keep: tuple, label: str,
+                        stream: Any) -> DeviceWork:
+        """A call inside a batch() block: part of one NCCL group on the comm stream."""
+        group = self._group
+        if stream is not None:
+            raise TypeError(f"{label}: stream= cannot be used inside a batch() block (the "
+                            f"block runs on the comm stream) on rank {self._rank}")
+        group.claim("device", label)
+        if group.caller is None:   # the block's first device call: order, then open the group
+            group.caller = self._current_stream()
+            self._ready.record(group.caller)
+            self._stream.wait_event(self._ready)
+            self._nccl_module.groupStart()
+        try:
+            call(*args, self._stream.ptr)
+        except self._raw_error as error:
+            raise self._failed(label, error) from error
+        work = DeviceWork(None, result, keep, self, label)   # its event comes with the block's end
+        group.works.append(work)
+        return work
+
+    def begin_group(self, group: Any) -> None:
+        self._group = group
+
+    def end_group(self, group: Any) -> None:
+        """Launch the block's NCCL group; the caller's stream waits for it."""
+        self._group = None
+        if group.kind != "device" or group.caller is None:
+            return
+        try:
+            self._nccl_module.groupEnd()
+        except self._raw_error as error:
+            raise self._failed("batch", error) from error
+        with self._device:
+            event = self._new_event(disable_timing=True)
+        event.record(self._stream)
+        group.caller.wait_event(event)
+        for work in group.works:
+            work._event = event
+            self._inflight.append(work)
+
+    def _work(self, stream: Any, result: Any, keep: tuple, label: str) -> DeviceWork:
+        inflight = self._inflight
+        while inflight and inflight[0].is_completed():
+            inflight.popleft()
+        with self._device:
+            event = self._new_event(disable_timing=True)
+        event.record(stream)
+        work = DeviceWork(event, result, keep, self, label)
+        inflight.append(work)   # keeps the arrays alive even if the caller drops the Work
+        return work
+
+    def _in_group(self, calls, stream_ptr: int) -> None:
+        """Issue ``calls(stream_ptr)`` (several sends and receives) as one NCCL group."""
+        nccl = self._nccl_module
+        nccl.groupStart()
+        try:
+            calls(stream_ptr)
+        finally:
+            nccl.groupEnd()
+
+    # -- collectives ------------------------------------------------------------------------------
+    def all_reduce(self, x, recv, spec, async_op, stream):
+        datatype, factor, op = spec
+        args = (x.data.ptr, recv.data.ptr, x.size * factor, datatype, op)
+        return self._launch(self._comm.allReduce, args, recv, (x, recv), "all_reduce",
+                            async_op, stream)
+
+    def reduce(self, x, recv, spec, root, async_op, stream):
+        datatype, factor, op = spec
+        into = recv if self._rank == root else x   # NCCL ignores recvbuff off the root
+        args = (x.data.ptr, into.data.ptr, x.size * factor, datatype, op, root)
+        result = recv if self._rank == root else None
+        return self._launch(self._comm.reduce, args, result, (x, recv), "reduce",
+                            async_op, stream)
+
+    def broadcast(self, x, spec, root, async_op, stream):
+        args = (x.data.ptr, x.nbytes, NCCL_INT8, root)
+        return self._launch(self._comm.bcast, args, x, (x,), "broadcast", async_op, stream)
+
+    def all_gather(self, x, recv, spec, async_op, stream, unpack=()):
+        args = (x.data.ptr, recv.data.ptr, x.nbytes, NCCL_INT8)
+        result = [dst for dst, _ in unpack] if unpack else recv
+        return self._launch(self._comm.allGather, args, result, (x, recv), "all_gather",
+                            async_op, stream, unpack)
+
+    def reduce_scatter(self, x, recv, spec, async_op, stream):
+        datatype, factor, op = spec
+        args = (x.data.ptr, recv.data.ptr, recv.size * factor, datatype, op)
+        return self._launch(self._comm.reduceScatter, args, recv, (x, recv), "reduce_scatter",
+                            async_op, stream)
+
+    def all_to_all(self, x, recv, spec, async_op, stream):
+        chunk = x.nbytes // self._size
+        return self.all_to_all_v(x, recv, spec, [chunk] * self._size, [chunk] * self._size,
+                                 async_op, stream)
+
+    def all_to_all_v(self, x, recv, spec, send_bytes, recv_bytes, async_op, stream):
+        """Part ``j`` (``send_bytes[j]`` bytes) to rank ``j``: one group of sends and receives."""
+        sends = list(zip(_offsets(x.data.ptr, send_bytes), send_bytes, range(self._size)))
+        receives = list(zip(_offsets(recv.data.ptr, recv_bytes), recv_bytes, range(self._size)))
+        return self._exchange(sends, receives, recv, (x, recv), "all_to_all", async_op, stream)
+
+    def scatter(self, x, recv, spec, root, async_op, stream):
+        chunk = recv.nbytes
+        sends = ([(x.data.ptr + peer * chunk, chunk, peer) for peer in range(self._size)]
+                 if self._rank == root else [])
+        return self._exchange(sends, [(recv.data.ptr, chunk, root)], recv, (x, recv),
+                              "scatter", async_op, stream)
+
+    def gather(self, x, recv, spec, root, async_op, stream):
+        chunk = x.nbytes
+        receives = ([(recv.data.ptr + peer * chunk, chunk, peer) for peer in range(self._size)]
+                    if self._rank == root else [])
+        return self._exchange([(x.data.ptr, chunk, root)], receives, recv, (x, recv), "gather",
+                              async_op, stream)
+
+    def send(self, x, spec, peer, async_op, stream):
+        args = (x.data.ptr, x.nbytes, NCCL_INT8, peer)
+        return self._launch(self._comm.send, args, None, (x,), "send", async_op, stream)
+
+    def recv(self, x, spec, peer, async_op, stream):
+        args = (x.data.ptr, x.nbytes, NCCL_INT8, peer)
+        return self._launch(self._comm.recv, args, x, (x,), "recv", async_op, stream)
+
+    def sendrecv(self, x, spec, dst, buf, src, async_op, stream):
+        return self._exchange([(x.data.ptr, x.nbytes, dst)], [(buf.data.ptr, buf.nbytes, src)],
+                              buf, (x, buf), "sendrecv", async_op, stream)
+
+    def _exchange(self, sends: list, receives: list, result, keep: tuple, label: str,
+                  async_op: bool, stream: Any) -> Any:
+        """(address, bytes, peer) transfers out and in, as one NCCL group."""
+        send, receive = self._comm.send, self._comm.recv
+
+        def transfers(s):
+            for ptr, nbytes, peer in sends:
+                send(ptr, nbytes, NCCL_INT8, peer, s)
+            for ptr, nbytes, peer in receives:
+                receive(ptr, nbytes, NCCL_INT8, peer, s)
+        return self._launch(self._in_group, (transfers,), result, keep, label, async_op, stream)
+
+    def split(self, color: Any, key: int) -> Any:
+        """``ncclCommSplit`` (collective over this communicator; None where ``color`` is None),
+        or None for every rank where this NCCL has no split (before 2.18): the subgroup then
+        makes its own communicator from a new unique id when it first needs one."""
+        if not hasattr(self._comm, "commSplit") or self._nccl_module.get_version() < 21801:
+            return None
+        if self._aborted:
+            raise NcclError(f"split: the NCCL communicator was aborted ({self._aborted})")
+        with self._device:
+            return self._nccl(lambda: self._comm.commSplit(-1 if color is None else color, key),
+                              "split")
+
+    # -- memory, Work support, faults, lifetime ---------------------------------------------------
+    def empty(self, shape: tuple, dtype: Any) -> Any:
+        with self._device:
+            return self._cupy.empty(shape, dtype)
+
+    def stream_wait(self, event: Any) -> None:
+        self._current_stream().wait_event(event)
+
+    def check_errors(self) -> None:
+        """Raise :class:`NcclError` if NCCL reported an asynchronous error."""
+        self._nccl(self._comm.check_async_error, "asynchronous error")
+
+    def expired(self, label: str, timeout: float) -> None:
+        self.abort(f"{label} timed out after {timeout:g} s")
+        raise CollectiveTimeout(
+            f"{label}: not completed after {timeout:g} s on rank {self._rank}; the NCCL "
+            f"communicator was aborted (ncclCommAbort), this communicator cannot run device "
+            f"collectives any more", collective=label)
+
+    def abort(self, reason: str) -> bool:
+        """Abort the NCCL communicator: its pending operations end, it cannot be used again.
+        Returns whether this call aborted it (False if it already was)."""
+        if self._aborted:
+            return False
+        self._aborted = reason
+        self._comm.abort()
+        return True
+
+    # -- what the watchdog thread asks (no MPI, no blocking) --------------------------------------
+    def has_pending_work(self) -> bool:
+        """Whether collectives launched on the comm stream have not finished yet."""
+        if self._aborted:
+            return False
+        try:
+            last = self._inflight[-1]._event if self._inflight else None
+        except IndexError:   # emptied by the main thread meanwhile
+            last = None
+        return not self._finished.done or (last is not None and not last.done)
+
+    def async_error(self) -> str:
+        """NCCL's asynchronous error, if it reported one, else ''."""
+        if self._aborted:
+            return ""
+        try:
+            self._comm.check_async_error()
+        except self._raw_error as error:
+            return str(error)
+        return ""
+
+    def close(self) -> None:
+        if self._aborted:
+            return
+        self._stream.synchronize()
+        self._inflight.clear()
+        self._comm.destroy()
+        self._aborted = "closed"

@@ -1,0 +1,390 @@
+"""The benchmark's one table: per collective, its buffers, its calls in each library, its check.
+
+A :class:`Case` is one collective at one size in one mode (out-of-place or in-place) with its
+buffers allocated. A :class:`Collective` row says how a byte size becomes buffers (``x_parts``,
+``y_parts``: whether a buffer holds one part per rank, as nccl-tests lays them out), what the
+result must be (computed with NumPy from every rank's known input), the nccl-tests bus-bandwidth
+factor, and how each library makes the call: ``cupycomm``, the raw baselines ``mpi`` (mpi4py's
+upper-case buffer calls) and ``nccl`` (``NcclCommunicator``), and the peers ``cupyx``
+(``cupyx.distributed``) and ``torch`` (``torch.distributed``). A call entry takes the library's
+handle and the case and returns a zero-argument callable, built once so that the timed loop only
+calls it; or a string saying why the library has no such call.
+
+Adding a collective is adding one row to :data:`TABLE`. The last row, ``all_reduce_coalesced``,
+cuts the buffer into arrays of 1 KiB (at most 256) and compares one coalesced call with what a
+user does without it: one call per array, in each library.
+
+Sizes follow nccl-tests: for a collective whose buffers hold one part per rank, ``count`` is the
+part (``size // itemsize // ranks``) and the size shown is ``ranks * count * itemsize``.
+Bus bandwidth is ``algbw * factor``: all_reduce 2(n-1)/n; all_gather, reduce_scatter,
+all_to_all (n-1)/n; broadcast, reduce, sendrecv 1; gather and scatter (n-1)/n, as nccl-tests'
+gather and scatter tests define them.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from mpi4py import MPI
+
+from .._dtypes import NCCL_INT8, ReduceOp
+from ..backends.nccl import NcclBackend
+
+__all__ = ["Case", "Collective", "TABLE", "ROWS", "known_input", "reduced", "count_wrong"]
+
+Runner = Callable[[], Any]
+Call = Callable[[Any, "Case"], Union[Runner, str]]
+Inputs = Callable[[int], np.ndarray]
+
+_MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+           "avg": np.add}
+
+
+@dataclass
+class Case:
+    """One collective at one size, in one mode, on ``ranks`` ranks, with its buffers.
+
+    ``y is x`` in place. ``unit`` is nccl-tests' count: elements per rank's part.
+    """
+
+    name: str
+    rank: int
+    ranks: int
+    root: int
+    op: str
+    dtype: np.dtype
+    unit: int
+    nbytes: int
+    in_place: bool
+    async_op: bool
+    x: Any
+    y: Any
+
+    # -- what every library needs
+    @property
+    def out(self) -> Any:
+        """cupycomm's ``out=``: None in place."""
+        return None if self.in_place else self.y
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == self.root
+
+    def at_root(self, value: Any) -> Any:
+        """``value`` on the root, None elsewhere (arguments only the root reads)."""
+        return value if self.rank == self.root else None
+
+    @property
+    def right(self) -> int:
+        return (self.rank + 1) % self.ranks
+
+    @property
+    def left(self) -> int:
+        return (self.rank - 1) % self.ranks
+
+    @property
+    def peers(self) -> range:
+        return range(self.ranks)
+
+    # -- MPI
+    def pick(self, blocking: Any, nonblocking: Any) -> Any:
+        """The nonblocking MPI call under ``--async``, else the blocking one."""
+        return nonblocking if self.async_op else blocking
+
+    @property
+    def mpi_send(self) -> Any:
+        return MPI.IN_PLACE if self.in_place else self.x
+
+    @property
+    def mpi_op(self) -> Optional[MPI.Op]:
+        """The MPI op a user passes, or None where MPI has none (avg; arithmetic on bool)."""
+        return None if self.dtype == np.bool_ else _MPI_OPS.get(self.op)
+
+    # -- NCCL: pointers and byte counts
+    @property
+    def px(self) -> int:
+        return self.x.data.ptr
+
+    @property
+    def py(self) -> int:
+        return self.y.data.ptr
+
+    @property
+    def part_bytes(self) -> int:
+        return self.unit * self.dtype.itemsize
+
+    def part(self, ptr: int, j: int) -> int:
+        """Address of part ``j`` of a buffer that holds one part per rank."""
+        return ptr + j * self.part_bytes
+
+    def nccl_reduction(self, elements: int) -> Tuple[int, int, int]:
+        """(NCCL count, NCCL datatype, NCCL op) reducing ``elements`` array elements."""
+        datatype, factor, op = NcclBackend.reductions[self.dtype][ReduceOp(self.op)]
+        return elements * factor, datatype, op
+
+    def stacked(self, a: Any) -> Any:
+        """``a`` viewed as ``(ranks, unit)`` (cupyx.distributed wants that shape)."""
+        return a.reshape(self.ranks, self.unit)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One row of the table (see the module docstring)."""
+
+    name: str
+    bus_factor: Callable[[int], float]
+    x_parts: bool
+    y_parts: bool
+    modes: Tuple[bool, ...]   # the in_place values cupycomm offers
+    reduces: bool
+    rooted: bool
+    expected: Callable[[Inputs, Case], Optional[np.ndarray]]
+    cupycomm: Call
+    mpi: Call
+    nccl: Call
+    cupyx: Call
+    torch: Call
+
+    def layout(self, nbytes: int, itemsize: int, ranks: int) -> Tuple[int, int, int, int]:
+        """(count, size shown, x elements, y elements) for a requested size, as nccl-tests."""
+        count = nbytes // itemsize
+        if not (self.x_parts or self.y_parts):
+            return count, count * itemsize, count, count
+        unit = count // ranks
+        return (unit, unit * ranks * itemsize, unit * (ranks if self.x_parts else 1),
+                unit * (ranks if self.y_parts else 1))
+
+
+# -- known inputs and NumPy references ------------------------------------------------------------
+def known_input(rank: int, elements: int, dtype: np.dtype) -> np.ndarray:
+    """Rank ``rank``'s input: small random integers (1..4) as ``dtype``, so that sums, products,
+    minima and maxima of a few ranks are exact in every dtype; the same on every rank.
+
+    Example::
+
+        known_input(1, 4, np.dtype(np.float32))   # the same 4 values wherever it is computed
+    """
+    rng = np.random.default_rng([rank, elements, dtype.num])
+    ints = rng.integers(1, 5, elements, dtype=np.uint8)
+    if dtype == np.bool_:
+        return (ints & 1).astype(np.bool_)
+    if dtype.kind == "c":
+        return (ints + 1j * rng.integers(1, 5, elements, dtype=np.uint8)).astype(dtype)
+    return ints.astype(dtype)
+
+
+def reduced(inputs: Inputs, case: Case) -> np.ndarray:
+    """Every rank's input reduced with ``case.op`` in ``case.dtype`` (bool as logic: sum and
+    max are or, prod and min are and; avg divides complex values as pairs of reals)."""
+    total = np.array(inputs(0))
+    ufunc = _UFUNCS[case.op]
+    for j in range(1, case.ranks):
+        ufunc(total, inputs(j), out=total)
+    if case.op == "avg":
+        reals = total.view(total.real.dtype) if total.dtype.kind == "c" else total
+        np.true_divide(reals, case.ranks, out=reals)
+    return total
+
+
+def count_wrong(got: np.ndarray, expected: np.ndarray) -> int:
+    """Elements of ``got`` that differ from ``expected``: integers and bool exactly, floating
+    types within a few units of rounding (an average divides, NCCL may reorder a product).
+
+    Example::
+
+        count_wrong(np.array([1., 2., 3.]), np.array([1., 2., 4.]))   # 1
+    """
+    got = np.asarray(got).reshape(-1)
+    expected = np.asarray(expected).reshape(-1)
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return max(got.size, expected.size)
+    if expected.dtype.kind in "fc":
+        rtol = 8 * float(np.finfo(expected.dtype).eps)
+        return int(np.count_nonzero(~np.isclose(got, expected, rtol=rtol, atol=0,
+                                                equal_nan=True)))
+    return int(np.count_nonzero(got != expected))
+
+
+def _slice(a: np.ndarray, case: Case, j: int) -> np.ndarray:
+    return a[j * case.unit:(j + 1) * case.unit]
+
+
+def _joined(inputs: Inputs, case: Case) -> np.ndarray:
+    return np.concatenate([inputs(j) for j in case.peers])
+
+
+# -- NCCL point-to-point groups (collectives NCCL has no call for) --------------------------------
+def _grouped(h: Any, case: Case, sends: Sequence[Tuple[int, int]],
+             recvs: Sequence[Tuple[int, int]]) -> Runner:
+    """One NCCL group of sends and receives of ``case.part_bytes`` each: (address, peer) pairs."""
+    nbytes, stream, comm = case.part_bytes, h.stream, h.comm
+    calls = ([(comm.send, (ptr, nbytes, NCCL_INT8, peer, stream)) for ptr, peer in sends]
+             + [(comm.recv, (ptr, nbytes, NCCL_INT8, peer, stream)) for ptr, peer in recvs])
+    start, end = h.nccl.groupStart, h.nccl.groupEnd
+
+    def run() -> None:
+        start()
+        for call, args in calls:
+            call(*args)
+        end()
+    return run
+
+
+def _all_parts(case: Case, ptr: int) -> List[Tuple[int, int]]:
+    return [(case.part(ptr, j), j) for j in case.peers]
+
+
+def _all_reduce_bus(ranks: int) -> float:
+    return 2 * (ranks - 1) / ranks
+
+
+def _spread_bus(ranks: int) -> float:
+    return (ranks - 1) / ranks
+
+
+def _unit_bus(ranks: int) -> float:
+    return 1.0
+
+
+# -- the coalesced all_reduce: many small arrays, against one call per array ----------------------
+PIECE_BYTES = 1024   # the buffer is cut into arrays of 1 KiB (at most MAX_PIECES of them)
+MAX_PIECES = 256
+
+
+def pieces(a: Any) -> List[Any]:
+    """``a`` (1-d) cut into views of about PIECE_BYTES each, at most MAX_PIECES of them."""
+    count = max(1, min(MAX_PIECES, a.nbytes // PIECE_BYTES))
+    edges = [a.size * i // count for i in range(count + 1)]
+    return [a[edges[i]:edges[i + 1]] for i in range(count)]
+
+
+class _Requests:
+    """Several MPI requests waited as one (the async baseline of the coalesced row)."""
+
+    def __init__(self, requests: List[Any]) -> None:
+        self.requests = requests
+
+    def Wait(self) -> None:   # noqa: N802 (mpi4py's name)
+        MPI.Request.Waitall(self.requests)
+
+
+def _one_call_each(call: Callable, arguments: List[tuple], async_op: bool = False) -> Runner:
+    """What a user does without coalescing: ``call(*args)`` for each array."""
+    def run() -> Any:
+        results = [call(*args) for args in arguments]
+        return _Requests(results) if async_op else None
+    return run
+
+
+_p = functools.partial
+_BOTH = (False, True)
+_OUT = (False,)
+_IN = (True,)
+
+TABLE: List[Collective] = [
+    Collective(
+        "all_reduce", _all_reduce_bus, False, False, _BOTH, reduces=True, rooted=False,
+        expected=reduced,
+        cupycomm=lambda h, c: _p(h.all_reduce, c.x, op=c.op, out=c.out, async_op=c.async_op),
+        mpi=lambda h, c: _p(c.pick(h.Allreduce, h.Iallreduce), c.mpi_send, c.y, c.mpi_op),
+        nccl=lambda h, c: _p(h.comm.allReduce, c.px, c.py, *c.nccl_reduction(c.unit), h.stream),
+        cupyx=lambda h, c: _p(h.all_reduce, c.x, c.y, c.op),
+        torch=lambda h, c: (_p(h.dist.all_reduce, h.tensor(c.x), op=h.op(c.op)) if c.in_place
+                            else "torch.distributed has no out-of-place all_reduce")),
+    Collective(
+        "broadcast", _unit_bus, False, False, _IN, reduces=False, rooted=True,
+        expected=lambda inputs, c: inputs(c.root),
+        cupycomm=lambda h, c: _p(h.broadcast, c.x, c.root, async_op=c.async_op),
+        mpi=lambda h, c: _p(c.pick(h.Bcast, h.Ibcast), c.x, c.root),
+        nccl=lambda h, c: _p(h.comm.bcast, c.px, c.x.nbytes, NCCL_INT8, c.root, h.stream),
+        cupyx=lambda h, c: _p(h.broadcast, c.x, c.root),
+        torch=lambda h, c: _p(h.dist.broadcast, h.tensor(c.x), c.root)),
+    Collective(
+        "reduce", _unit_bus, False, False, _BOTH, reduces=True, rooted=True,
+        expected=lambda inputs, c: reduced(inputs, c) if c.is_root else None,
+        cupycomm=lambda h, c: _p(h.reduce, c.x, c.root, op=c.op, out=c.at_root(c.out),
+                                 async_op=c.async_op),
+        mpi=lambda h, c: _p(c.pick(h.Reduce, h.Ireduce), c.mpi_send if c.is_root else c.x,
+                            c.at_root(c.y), c.mpi_op, c.root),
+        nccl=lambda h, c: _p(h.comm.reduce, c.px, c.py, *c.nccl_reduction(c.unit), c.root,
+                             h.stream),
+        cupyx=lambda h, c: _p(h.reduce, c.x, c.y, c.root, c.op),
+        torch=lambda h, c: (_p(h.dist.reduce, h.tensor(c.x), c.root, op=h.op(c.op))
+                            if c.in_place else "torch.distributed has no out-of-place reduce")),
+    Collective(
+        "all_gather", _spread_bus, False, True, _OUT, reduces=False, rooted=False,
+        expected=_joined,
+        cupycomm=lambda h, c: _p(h.all_gather, c.x, out=c.y, async_op=c.async_op),
+        mpi=lambda h, c: _p(c.pick(h.Allgather, h.Iallgather), c.x, c.y),
+        nccl=lambda h, c: _p(h.comm.allGather, c.px, c.py, c.part_bytes, NCCL_INT8, h.stream),
+        cupyx=lambda h, c: _p(h.all_gather, c.x, c.y, c.unit),
+        torch=lambda h, c: _p(h.dist.all_gather_into_tensor, h.tensor(c.y), h.tensor(c.x))),
+    Collective(
+        "reduce_scatter", _spread_bus, True, False, _OUT, reduces=True, rooted=False,
+        expected=lambda inputs, c: _slice(reduced(inputs, c), c, c.rank),
+        cupycomm=lambda h, c: _p(h.reduce_scatter, c.x, op=c.op, out=c.y, async_op=c.async_op),
+        mpi=lambda h, c: _p(c.pick(h.Reduce_scatter_block, h.Ireduce_scatter_block), c.x, c.y,
+                            c.mpi_op),
+        nccl=lambda h, c: _p(h.comm.reduceScatter, c.px, c.py, *c.nccl_reduction(c.unit),
+                             h.stream),
+        cupyx=lambda h, c: _p(h.reduce_scatter, c.x, c.y, c.unit, c.op),
+        torch=lambda h, c: _p(h.dist.reduce_scatter_tensor, h.tensor(c.y), h.tensor(c.x),
+                              op=h.op(c.op))),
+    Collective(
+        "all_to_all", _spread_bus, True, True, _OUT, reduces=False, rooted=False,
+        expected=lambda inputs, c: np.concatenate([_slice(inputs(j), c, c.rank)
+                                                   for j in c.peers]),
+        cupycomm=lambda h, c: _p(h.all_to_all, c.x, out=c.y, async_op=c.async_op),
+        mpi=lambda h, c: _p(c.pick(h.Alltoall, h.Ialltoall), c.x, c.y),
+        nccl=lambda h, c: _grouped(h, c, _all_parts(c, c.px), _all_parts(c, c.py)),
+        cupyx=lambda h, c: _p(h.all_to_all, c.stacked(c.x), c.stacked(c.y)),
+        torch=lambda h, c: _p(h.dist.all_to_all_single, h.tensor(c.y), h.tensor(c.x))),
+    Collective(
+        "gather", _spread_bus, False, True, _OUT, reduces=False, rooted=True,
+        expected=lambda inputs, c: _joined(inputs, c) if c.is_root else None,
+        cupycomm=lambda h, c: _p(h.gather, c.x, c.root, out=c.at_root(c.y),
+                                 async_op=c.async_op),
+        mpi=lambda h, c: _p(c.pick(h.Gather, h.Igather), c.x, c.at_root(c.y), c.root),
+        nccl=lambda h, c: _grouped(h, c, [(c.px, c.root)],
+                                   _all_parts(c, c.py) if c.is_root else []),
+        cupyx=lambda h, c: _p(h.gather, c.x, c.stacked(c.y), c.root),
+        torch=lambda h, c: _p(h.dist.gather, h.tensor(c.x), c.at_root(h.parts(c.y, c)),
+                              c.root)),
+    Collective(
+        "scatter", _spread_bus, True, False, _OUT, reduces=False, rooted=True,
+        expected=lambda inputs, c: _slice(inputs(c.root), c, c.rank),
+        cupycomm=lambda h, c: _p(h.scatter, c.at_root(c.x), c.root, out=c.y,
+                                 async_op=c.async_op),
+        mpi=lambda h, c: _p(c.pick(h.Scatter, h.Iscatter), c.at_root(c.x), c.y, c.root),
+        nccl=lambda h, c: _grouped(h, c, _all_parts(c, c.px) if c.is_root else [],
+                                   [(c.py, c.root)]),
+        cupyx=lambda h, c: _p(h.scatter, c.stacked(c.x), c.y, c.root),
+        torch=lambda h, c: _p(h.dist.scatter, h.tensor(c.y), c.at_root(h.parts(c.x, c)),
+                              c.root)),
+    Collective(
+        "sendrecv", _unit_bus, False, False, _OUT, reduces=False, rooted=False,
+        expected=lambda inputs, c: inputs(c.left),
+        cupycomm=lambda h, c: _p(h.sendrecv, c.x, c.right, c.y, c.left, async_op=c.async_op),
+        mpi=lambda h, c: _p(c.pick(h.Sendrecv, h.Isendrecv), c.x, c.right, 0, c.y, c.left, 0),
+        nccl=lambda h, c: _grouped(h, c, [(c.px, c.right)], [(c.py, c.left)]),
+        cupyx=lambda h, c: (_p(h.send_recv, c.x, c.y, c.right) if c.right == c.left else
+                            "cupyx.distributed's send_recv has one peer: no ring of 3+ ranks"),
+        torch=lambda h, c: h.sendrecv(c.x, c.right, c.y, c.left)),
+]
+
+TABLE.append(Collective(
+    "all_reduce_coalesced", _all_reduce_bus, False, False, _IN, reduces=True, rooted=False,
+    expected=reduced,
+    cupycomm=lambda h, c: _p(h.all_reduce_coalesced, pieces(c.x), op=c.op, async_op=c.async_op),
+    mpi=lambda h, c: _one_call_each(c.pick(h.Allreduce, h.Iallreduce),
+                                    [(MPI.IN_PLACE, p, c.mpi_op) for p in pieces(c.x)],
+                                    c.async_op),
+    nccl=lambda h, c: _one_call_each(h.comm.allReduce, [
+        (p.data.ptr, p.data.ptr, *c.nccl_reduction(p.size), h.stream) for p in pieces(c.x)]),
+    cupyx=lambda h, c: _one_call_each(h.all_reduce, [(p, p, c.op) for p in pieces(c.x)]),
+    torch=lambda h, c: _one_call_each(h.dist.all_reduce, [(h.tensor(p),) for p in pieces(c.x)])))
+
+ROWS = {row.name: row for row in TABLE}

@@ -1,0 +1,225 @@
+"""Many small arrays in few collectives: ``all_reduce_coalesced`` and ``Bucket``.
+
+Latency-bound reductions (the gradients of a model's many small layers) cost a few calls
+instead of hundreds:
+
+- ``comm.all_reduce_coalesced(arrays)`` groups the arrays by dtype, packs each group into
+  flat buffers of at most ``bucket_bytes`` (default 25 MiB, as DDP's buckets), all-reduces
+  each buffer once, and copies the results back into the arrays. Packing is one
+  ``concatenate`` per buffer (one kernel on a GPU); the copies back are one assignment per
+  array from a view of the buffer shaped as that array. Buffers and views are kept from call
+  to call for the shapes last used (:class:`Staging`): a training step allocates nothing.
+- ``comm.bucket(arrays)`` is the persistent form (DDP's gradient-as-bucket-view): it copies
+  the arrays once into one flat buffer per dtype, and ``bucket.arrays`` are views into it,
+  to use in place of the originals. Each ``bucket.all_reduce()`` or ``bucket.broadcast()``
+  is then one call per dtype with no packing at all.
+
+Both take NumPy or CuPy arrays (not both in one call; foreign arrays too, converted
+without a copy: ``bucket.arrays`` are then NumPy/CuPy views), of any shapes, zero-size and
+0-d included, and run through the communicator's own collectives (validation, debug mode and
+timeouts included).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from .work import Work, WorkGroup
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_coalesced", "Bucket", "Plan", "Staging",
+           "runs_by_dtype", "views_of"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
+
+
+def runs_by_dtype(arrays: Sequence[Any], limit: Optional[int]) -> List[List[int]]:
+    """Indices of ``arrays`` split by dtype into runs of at most ``limit`` bytes (an array
+    larger than that alone; ``limit`` None: one run per dtype), ordered by first index.
+
+    Example::
+
+        runs_by_dtype([np.ones(4), np.ones(2, np.int8), np.ones(4)], limit=40)  # [[0, 2], [1]]
+    """
+    runs: List[List[int]] = []
+    open_runs: Dict[Any, List[Any]] = {}   # dtype -> [its open run, that run's bytes]
+    for i, array in enumerate(arrays):
+        current = open_runs.get(array.dtype)
+        nbytes = array.nbytes
+        if current is not None and (limit is None or current[1] + nbytes <= limit):
+            current[0].append(i)
+            current[1] += nbytes
+        else:
+            run = [i]
+            runs.append(run)
+            open_runs[array.dtype] = [run, nbytes]
+    return runs
+
+
+def _runs(comm: Any, name: str, arrays: Sequence[Any], op: Any,
+          limit: Optional[int]) -> Tuple[List[List[int]], List[Any], Any]:
+    """Check the arrays (one kind, each valid for ``op``); return :func:`runs_by_dtype` of
+    them, the arrays as NumPy/CuPy views (foreign ones converted) and the array module.
+
+    Per array only what can differ between arrays of one dtype is checked (kind, contiguity),
+    and the op against each dtype once: this loop sets the pace of a call on many small
+    arrays. Anything unusual (a foreign or device array, a failed check) goes through the
+    communicator's full check, which explains the error.
+    """
+    if not isinstance(arrays, (list, tuple)):
+        raise comm._fail(TypeError, name, f"arrays must be a list of arrays, got "
+                                          f"{type(arrays).__name__}")
+    natives: List[Any] = []
+    first = None
+    backends = comm._backends
+    for i, array in enumerate(arrays):
+        backend = backends.get(type(array))
+        if backend is None or backend.device_id is not None or not array.flags.c_contiguous:
+            backend, array, _ = comm._take(name, ("arrays", i), array, op)
+            backend = getattr(backend, "inner", backend)   # a foreign array's own backend
+        if backend is not first:
+            if first is not None:
+                raise comm._fail(TypeError, name, f"arrays[{i}] is a {type(arrays[i]).__name__}"
+                                                  f" but arrays[0] is a "
+                                                  f"{type(arrays[0]).__name__}; one call takes "
+                                                  f"host arrays or device arrays")
+            first = backend
+        natives.append(array)
+    runs = runs_by_dtype(natives, limit)
+    checked = set()
+    for run in runs:   # each dtype, and the op for it, once
+        if natives[run[0]].dtype not in checked:
+            checked.add(natives[run[0]].dtype)
+            comm._take(name, ("arrays", run[0]), natives[run[0]], op)
+    return runs, natives, (comm._array_module(first) if first is not None else None)
+
+
+def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
+                         bucket_bytes: Optional[int] = None,
+                         async_op: bool = False) -> Union[List[Any], Work]:
+    """See :meth:`cupycomm.Communicator.all_reduce_coalesced`."""
+    name = "all_reduce_coalesced"
+    limit = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    if type(limit) is not int or limit <= 0:
+        raise comm._fail(ValueError, name, f"bucket_bytes must be a positive int, got "
+                                           f"{bucket_bytes!r}")
+    runs, natives, xp = _runs(comm, name, arrays, op, limit)
+    staging = comm._staging
+    plans: List[Tuple[Plan, List[Any]]] = []
+    works = []
+    for run in runs:
+        members = [natives[i] for i in run]
+        if len(members) == 1:   # alone in its bucket: reduced where it is, nothing to copy
+            works.append(comm.all_reduce(members[0], op=op, async_op=async_op))
+            continue
+        plan = staging.take(xp, members)
+        xp.concatenate(members, axis=None, out=plan.flat)
+        plans.append((plan, members))
+        works.append(comm.all_reduce(plan.flat, op=op, async_op=async_op))
+
+    def unpack() -> None:
+        for plan, members in plans:
+            for member, view in zip(members, plan.views):
+                member[...] = view
+            staging.give(plan)
+    result = list(arrays)
+    if async_op:
+        return WorkGroup(works, result, f"{name} of {len(arrays)} arrays", finish=unpack)
+    unpack()
+    return result
+
+
+class Plan:
+    """A flat buffer for arrays of one dtype and given shapes, and its views shaped as them
+    (copying a view back into its array is the cheapest copy per array NumPy makes; a
+    :class:`Bucket` hands the views out in place of the arrays). ``key`` is what
+    :class:`Staging` keeps it under."""
+
+    __slots__ = ("key", "flat", "views")
+
+    def __init__(self, key: tuple, xp: Any, members: List[Any]) -> None:
+        self.key = key
+        self.flat = xp.empty(sum(m.size for m in members), members[0].dtype)
+        self.views = views_of(self.flat, members)
+
+
+def views_of(flat: Any, members: Sequence[Any]) -> List[Any]:
+    """Consecutive views of the 1-d ``flat``, shaped as ``members`` one after another.
+
+    Example::
+
+        views_of(numpy.arange(5), [numpy.empty(2), numpy.empty((1, 3))])
+        # [array([0, 1]), array([[2, 3, 4]])]
+    """
+    views, start = [], 0
+    for member in members:
+        stop = start + member.size
+        views.append(flat[start:stop].reshape(member.shape))
+        start = stop
+    return views
+
+
+class Staging:
+    """Plans kept from one coalesced call to the next, by array module, dtype and shapes: a
+    training loop packs the same shapes every step, and a fresh buffer of many MiB costs
+    more in page faults than the copies into it. At most :attr:`KEEP` plans are kept (the
+    least recently used go), so that a program whose shapes keep changing does not grow."""
+
+    KEEP = 16
+
+    def __init__(self) -> None:
+        self._free: "OrderedDict[tuple, Plan]" = OrderedDict()
+
+    def take(self, xp: Any, members: List[Any]) -> Plan:
+        """A plan for ``members`` (arrays of one dtype): the kept one, or a new one."""
+        key = (id(xp), members[0].dtype, tuple([m.shape for m in members]))
+        plan = self._free.pop(key, None)
+        return Plan(key, xp, members) if plan is None else plan
+
+    def give(self, plan: Plan) -> None:
+        """``plan`` is free again (its collective and the copies out are done)."""
+        self._free[plan.key] = plan
+        if len(self._free) > self.KEEP:
+            self._free.popitem(last=False)
+
+
+class Bucket:
+    """Arrays kept as views of one flat buffer per dtype; collectives on it need no packing.
+
+    Example (2 ranks)::
+
+        bucket = comm.bucket([numpy.ones(3), numpy.ones((2, 2))])
+        w, b = bucket.arrays            # use these from now on: they are views of the buffer
+        w *= comm.rank + 1
+        bucket.all_reduce(op="avg")     # one call for both: w == [1.5, 1.5, 1.5], b all 1
+    """
+
+    def __init__(self, comm: Any, arrays: Sequence[Any]) -> None:
+        runs, natives, xp = _runs(comm, "bucket", arrays, None, None)
+        self._comm = comm
+        self.flats: List[Any] = []
+        views: List[Any] = [None] * len(arrays)
+        for indices in runs:
+            members = [natives[i] for i in indices]
+            plan = Plan((), xp, members)
+            xp.concatenate(members, axis=None, out=plan.flat)
+            for i, view in zip(indices, plan.views):
+                views[i] = view
+            self.flats.append(plan.flat)
+        self.arrays: List[Any] = views
+
+    def _each(self, call) -> Union[List[Any], Work]:
+        works = [call(flat) for flat in self.flats]
+        if works and isinstance(works[0], Work):
+            return WorkGroup(works, self.arrays, f"bucket of {len(self.arrays)} arrays")
+        return self.arrays
+
+    def all_reduce(self, op: Any = "sum", async_op: bool = False) -> Union[List[Any], Work]:
+        """All-reduce every array of the bucket: one call per dtype. Returns ``arrays``."""
+        return self._each(lambda flat: self._comm.all_reduce(flat, op=op, async_op=async_op))
+
+    def broadcast(self, root: int = 0, async_op: bool = False) -> Union[List[Any], Work]:
+        """Root's values of every array of the bucket everywhere: one call per dtype."""
+        return self._each(lambda flat: self._comm.broadcast(flat, root, async_op=async_op))
+
+    def __repr__(self) -> str:
+        return f"<cupycomm.Bucket of {len(self.arrays)} arrays in {len(self.flats)} buffers>"

@@ -1,0 +1,41 @@
+"""The exceptions cupycomm raises beyond Python's own TypeError and ValueError.
+
+Bad arguments raise ``TypeError`` (wrong kind of object) or ``ValueError`` (wrong value or
+shape), before any communication starts. The classes here are for state and for faults:
+a closed communicator, a collective that did not finish in time, ranks that disagree about
+a collective (debug mode), a failed NCCL call, a peer process that is gone.
+"""
+from __future__ import annotations
+
+__all__ = ["CommClosedError", "CollectiveTimeout", "CollectiveMismatch", "NcclError", "PeerLost"]
+
+
+class CommClosedError(RuntimeError):
+    """The communicator was closed; create a new one with ``cupycomm.init()``."""
+
+
+class CollectiveTimeout(TimeoutError):
+    """A collective did not complete within its timeout.
+
+    ``collective`` names it, ``seq`` is its sequence number on the communicator and
+    ``missing`` lists the ranks known not to have arrived (empty when unknown).
+    """
+
+    def __init__(self, message: str, *, collective: str = "", seq: int = -1,
+                 missing: tuple = ()) -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.seq = seq
+        self.missing = tuple(missing)
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks called different collectives, or the same one with different arguments (debug mode)."""
+
+
+class NcclError(RuntimeError):
+    """An NCCL call failed, synchronously or asynchronously; the NCCL communicator is unusable."""
+
+
+class PeerLost(RuntimeError):
+    """A peer process of the communicator has exited while this rank waits for it."""

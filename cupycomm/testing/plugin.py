@@ -1,0 +1,201 @@
+"""pytest plugin for suites run under ``mpiexec -n N python -m pytest`` (enabled by the
+``pytest11`` entry point; ``-p no:cupycomm`` turns it off).
+
+With more than one rank, the ranks act as one session (see ``_session``): rank 0 prints the
+one report, a test fails if it fails on any rank, skips and collection agree, a hanging test
+ends the job at its timeout with every rank's stack, and every rank exits with the job's
+status. In one process the plugin adds a header line, the markers and the fixtures.
+
+Markers: ``mpi(min_size=N, max_size=M)``, ``mpi_timeout(seconds)``, ``gpu``.
+Options: ``--mpi-timeout=SECONDS`` or the ini value ``mpi_timeout`` (default 60; 0: none).
+Fixtures: ``mpi_comm`` (a fresh duplicate of COMM_WORLD), ``cupycomm_comm`` (a fresh
+cupycomm communicator), each for one test.
+"""
+from __future__ import annotations
+
+import platform
+from typing import Any, Iterator, List, Optional
+
+import numpy
+import pytest
+from mpi4py import MPI
+
+import cupycomm
+
+from ._session import TIMEOUT, MpiSession
+
+_FAILED = pytest.StashKey[bool]()  # on an item: its setup or call failed on this rank
+_KEPT = pytest.StashKey[List[Any]]()  # communicators of failed tests, never freed
+_DEFAULT = pytest.StashKey[float]()  # the session's timeout per test
+_DEFAULT_TIMEOUT = "60"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("cupycomm", "tests under mpiexec (cupycomm.testing)")
+    group.addoption("--mpi-timeout", type=float, dest="mpi_timeout", metavar="SECONDS",
+                    help="end the MPI job when a test (or the start, the collection or the "
+                         "end of the session) takes longer, after printing every rank's stack "
+                         f"(default: the mpi_timeout ini value, else {_DEFAULT_TIMEOUT}; "
+                         "0: no timeout)")
+    parser.addini("mpi_timeout", "seconds a test may take under mpiexec (0: no timeout)",
+                  default=_DEFAULT_TIMEOUT)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Only rank 0 writes the JUnit XML file (every rank would write the same one)."""
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        config.option.xmlpath = None
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter and the cache exist
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped where CuPy sees none")
+    config.addinivalue_line("markers", "mpi(min_size=1, max_size=None): needs that many MPI "
+                                       "ranks; skipped on every rank otherwise")
+    config.addinivalue_line("markers", "mpi_timeout(seconds): this test's timeout under "
+                                       "mpiexec (0: none)")
+    config.stash[_KEPT] = []
+    value = config.getoption("mpi_timeout")
+    timeout = _seconds(config.getini("mpi_timeout") if value is None else value, "mpi_timeout")
+    config.stash[_DEFAULT] = timeout
+    if MPI.COMM_WORLD.Get_size() > 1:
+        config.pluginmanager.register(MpiSession(config, timeout), "cupycomm-mpi-session")
+
+
+def pytest_report_header(config: pytest.Config) -> Optional[str]:
+    """One line on the MPI world and the libraries (rank 0 only; CUDA is not touched)."""
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return None
+    import mpi4py
+    vendor, version = MPI.get_vendor()
+    size = MPI.COMM_WORLD.Get_size()
+    parts = [f"{size} MPI rank{'s' if size > 1 else ''} ({vendor} "
+             f"{'.'.join(map(str, version))}, MPI {'.'.join(map(str, MPI.Get_version()))})",
+             f"mpi4py {mpi4py.__version__}", f"NumPy {numpy.__version__}", _cupy_versions(),
+             f"Python {platform.python_version()}"]
+    return f"cupycomm.testing: {', '.join(parts)}; mpi_timeout {config.stash[_DEFAULT]:g} s"
+
+
+def _cupy_versions() -> str:
+    try:
+        import cupy
+    except Exception:  # not installed, or its CUDA libraries fail to load
+        return "no CuPy"
+    try:
+        from cupy.cuda import nccl
+        v = nccl.get_version()
+    except Exception:  # no NCCL library
+        return f"CuPy {cupy.__version__} without NCCL"
+    return f"CuPy {cupy.__version__} with NCCL {v // 10000}.{v % 10000 // 100}.{v % 100}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Check the markers' arguments once, skip the tests that need another number of ranks
+    (on every rank alike), and give each test its timeout."""
+    size = MPI.COMM_WORLD.Get_size()
+    for item in items:
+        low, high = _sizes(item)
+        if size < low or (high is not None and size > high):
+            wanted = f"at least {low}" if high is None else f"{low} to {high}"
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {wanted} MPI ranks, has {size} (mpiexec -n {low} ...)"))
+        mark = item.get_closest_marker("mpi_timeout")
+        item.stash[TIMEOUT] = (config.stash[_DEFAULT] if mark is None else
+                               _seconds(_one_arg(item, mark, "seconds"), f"{item.nodeid}: "
+                                                                          "mpi_timeout"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[Any]:
+    report = yield
+    if report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
+@pytest.fixture
+def mpi_comm(request: pytest.FixtureRequest) -> Iterator[MPI.Comm]:
+    """A duplicate of COMM_WORLD for this test alone, so that a test that failed half way
+    cannot shift the next test's messages or collectives.
+
+    Example::
+
+        def test_sum(mpi_comm):
+            assert mpi_comm.allreduce(1) == mpi_comm.Get_size()
+    """
+    comm = MPI.COMM_WORLD.Dup()
+    yield comm
+    release(request, comm, comm.Free)
+
+
+@pytest.fixture
+def cupycomm_comm(request: pytest.FixtureRequest) -> Iterator[cupycomm.Communicator]:
+    """A cupycomm communicator over every rank for this test alone (closed after it).
+
+    Example::
+
+        def test_all_reduce(cupycomm_comm):
+            x = numpy.ones(3)
+            assert (cupycomm_comm.all_reduce(x) == cupycomm_comm.size).all()
+    """
+    comm = cupycomm.init(MPI.COMM_WORLD)
+    yield comm
+    release(request, comm, comm.close)
+
+
+def release(request: pytest.FixtureRequest, comm: Any, free: Any) -> None:
+    """End of a per-test communicator fixture: ``free()`` it, unless the test failed.
+
+    After a failure, messages may still be in flight on the communicator, and MPI would give
+    its context id to the next one created, so they would reach the next test: it is kept.
+    (A new communicator's id is one free on every rank, so keeping it on one rank suffices.)
+
+    Example::
+
+        @pytest.fixture
+        def comm(request):
+            communicator = cupycomm.init(MPI.COMM_WORLD)
+            yield communicator
+            release(request, communicator, communicator.close)
+    """
+    if request.node.stash.get(_FAILED, False):
+        request.config.stash[_KEPT].append(comm)
+    else:
+        free()
+
+
+def _seconds(value: Any, what: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds >= 0:
+        raise pytest.UsageError(f"{what} must be a number of seconds >= 0 (0: no timeout), "
+                                f"got {value!r}")
+    return seconds
+
+
+def _one_arg(item: pytest.Item, mark: pytest.Mark, name: str) -> Any:
+    values = list(mark.args) + ([mark.kwargs[name]] if name in mark.kwargs else [])
+    if len(values) != 1 or set(mark.kwargs) - {name}:
+        raise pytest.UsageError(f"{item.nodeid}: the {mark.name} marker takes one argument, "
+                                f"{name}; got args={mark.args} kwargs={mark.kwargs}")
+    return values[0]
+
+
+def _sizes(item: pytest.Item) -> tuple:
+    """(min_size, max_size or None) of the test's ``mpi`` marker."""
+    mark = item.get_closest_marker("mpi")
+    if mark is None:
+        return 1, None
+    low, high = mark.kwargs.get("min_size", 1), mark.kwargs.get("max_size")
+    if (mark.args or set(mark.kwargs) - {"min_size", "max_size"}
+            or not _count(low) or not (high is None or (_count(high) and high >= low))):
+        raise pytest.UsageError(f"{item.nodeid}: use mpi(min_size=N, max_size=M) with "
+                                f"1 <= N <= M; got args={mark.args} kwargs={mark.kwargs}")
+    return low, high
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

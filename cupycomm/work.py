@@ -1,0 +1,186 @@
+"""Work: the handle an asynchronous collective (``async_op=True``) returns.
+
+A Work completes when the communication behind it has: MPI requests on the host, a CUDA event
+on the device. Until then it keeps the arrays of the call alive, so that no memory pool hands
+their memory to another array while MPI or NCCL still reads or writes it. One Work may own
+several requests or events (a ``batch()`` block); it completes when all of them have.
+
+``wait()`` returns the result (``y = comm.all_reduce(x, async_op=True).wait()``):
+
+- host: blocks until the MPI requests complete, then finishes the call (for example the
+  division of ``op="avg"``);
+- device: makes the caller's current CUDA stream wait for the collective and returns at once,
+  as torch.distributed does; ``synchronize()`` blocks the host instead.
+
+``wait(timeout=s)`` blocks the host (on the device too) for at most ``s`` seconds and then
+raises :class:`~cupycomm.errors.CollectiveTimeout`.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["Work", "HostWork", "DeviceWork", "WorkGroup", "poll_until"]
+
+
+def poll_until(done: Callable[[], bool], timeout: Optional[float],
+               check: Callable[[], None] = lambda: None) -> bool:
+    """Call ``done`` with a growing sleep between calls (50 µs to 5 ms), so that waiting
+    ranks leave the CPU to the others; ``check`` runs between polls and may raise.
+    Returns False if ``timeout`` seconds passed first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 5e-5
+    while not done():
+        check()
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
+    return True
+
+
+class Work(abc.ABC):
+    """Handle of an asynchronous collective. See the module docstring for the semantics."""
+
+    __slots__ = ("_result", "_keep", "_done", "_owner", "_label")
+
+    def __init__(self, result: Any, keep: Sequence, owner: Any, label: str) -> None:
+        self._result = result
+        self._keep = keep      # arrays that must outlive the communication
+        self._done = False
+        self._owner = owner    # the backend: reports timeouts and asynchronous errors
+        self._label = label    # "all_reduce #12", for messages
+
+    def is_completed(self) -> bool:
+        """True once the communication has completed; never blocks."""
+        if not self._done and self._test():
+            self._complete()
+        return self._done
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Complete the call (see the module docstring) and return its result."""
+        if not self._done:
+            if timeout is None:
+                self._wait()
+            else:
+                self._wait_for(timeout)
+        return self._result
+
+    def synchronize(self, timeout: Optional[float] = None) -> Any:
+        """Block the host until the communication has completed; return the result."""
+        if not self._done:
+            self._wait_for(timeout)
+        return self._result
+
+    def _wait_for(self, timeout: Optional[float]) -> None:
+        if not poll_until(self._test, timeout, self._owner.check_errors):
+            self._owner.expired(self._label, timeout)
+        self._complete()
+
+    def _complete(self) -> None:
+        self._done = True
+        self._keep = ()
+
+    def __repr__(self) -> str:
+        state = "completed" if self._done else "pending"
+        return f"<{type(self).__name__} {self._label} {state}>"
+
+    @abc.abstractmethod
+    def _test(self) -> bool:
+        """Whether the communication has completed, without blocking."""
+
+    @abc.abstractmethod
+    def _wait(self) -> None:
+        """Wait in the backend's own way (see the module docstring)."""
+
+
+class HostWork(Work):
+    """Work of the MPI backend: nonblocking MPI requests, then an optional finishing step."""
+
+    __slots__ = ("_requests", "_finish")
+
+    def __init__(self, requests: list, result: Any, keep: Sequence, owner: Any, label: str,
+                 finish: Optional[Callable[[], None]] = None) -> None:
+        super().__init__(result, keep, owner, label)
+        self._requests = requests
+        self._finish = finish
+
+    def _test(self) -> bool:
+        return self._owner.test_all(self._requests)
+
+    def _wait(self) -> None:
+        self._owner.wait_all(self._requests, self._label)
+        self._complete()
+
+    def _complete(self) -> None:
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        super()._complete()
+
+
+class DeviceWork(Work):
+    """Work of the NCCL backend: a CUDA event recorded after the collective on its stream."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: Any, result: Any, keep: Sequence, owner: Any, label: str) -> None:
+        super().__init__(result, keep, owner, label)
+        self._event = event
+
+    def _test(self) -> bool:
+        # No event yet: a call inside a batch() block that has not ended.
+        return self._event is not None and self._event.done
+
+    def _wait(self) -> None:
+        if self._event is None:
+            raise RuntimeError(f"{self._label}: wait() inside its batch() block; the calls of "
+                               f"a block complete when the block ends")
+        # Order the caller's stream after the collective; the host does not block.
+        self._owner.stream_wait(self._event)
+        if self._event.done:
+            self._complete()
+
+
+class WorkGroup(Work):
+    """Several Works as one (the buffers of a coalesced all-reduce, a bucket's dtypes).
+
+    ``wait``/``synchronize`` apply to each in turn within one overall timeout; ``finish``
+    (copying coalesced results back into their arrays) runs once, after all have waited.
+    """
+
+    __slots__ = ("_works", "_finish")
+
+    def __init__(self, works: list, result: Any, label: str,
+                 finish: Optional[Callable[[], None]] = None) -> None:
+        super().__init__(result, (), None, label)
+        self._works = works
+        self._finish = finish
+
+    def _each(self, method: str, timeout: Optional[float]) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._done:
+            for work in self._works:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                getattr(work, method)(left)
+            self._complete()
+        return self._result
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        return self._each("wait", timeout)
+
+    def synchronize(self, timeout: Optional[float] = None) -> Any:
+        return self._each("synchronize", timeout)
+
+    def _complete(self) -> None:
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        super()._complete()
+
+    def _test(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def _wait(self) -> None:
+        self.wait()

@@ -1,0 +1,57 @@
+"""How long each fault scenario takes to end the job: the worst of several runs.
+
+    python tests/faults/time_to_exit.py --runs 5 [--n 3]
+
+Prints one line per scenario with the exit statuses seen and the worst and median time:
+the user-program faults of scenario.py, then the plugin's cases (pytest under mpiexec on the
+scratch suites of tests/plugin_cases). The fault suite (tests/test_faults.py,
+tests/test_plugin.py) asserts the bounds; this records the figures.
+"""
+import argparse
+import statistics
+from pathlib import Path
+
+from cupycomm.testing import run_mpiexec
+
+SCENARIOS = ["raise-before-collective", "sys-exit-0", "os-exit-0", "sigkill", "never-arrives",
+             "hold-gil", "debug-mismatch-count", "debug-mismatch-dtype", "debug-mismatch-op",
+             "debug-mismatch-root", "mismatch-count", "mismatch-dtype", "mismatch-op",
+             "mismatch-root"]
+SCRIPT = str(Path(__file__).resolve().parent / "scenario.py")
+CASES = Path(__file__).resolve().parent.parent / "plugin_cases"
+PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-q"]
+PLUGIN_CASES = {   # name: the pytest arguments, run in CASES
+    "plugin: a test fails on one rank": ["case_outcomes.py", "-k", "fails_on_the_last_rank"],
+    "plugin: ranks disagree on a skip": ["case_outcomes.py", "-k", "skip"],
+    "plugin: a test hangs (3 s timeout)": ["case_hang.py", "-o", "mpi_timeout=3"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--n", type=int, default=3, help="ranks (hold-gil always runs on 2)")
+    args = parser.parse_args()
+    print(f"{'scenario':36s} {'exit statuses':14s} {'worst s':>8s} {'median s':>9s}")
+    for name in SCENARIOS:
+        report(name, [run_mpiexec(2 if name == "hold-gil" else args.n, SCRIPT, name,
+                                  timeout=60) for _ in range(args.runs)])
+    for name in ("os-exit-0", "sigkill"):   # hydra's cleanup off: the watchdog may end the job
+        report(f"{name}, -disable-auto-cleanup",
+               [run_mpiexec(args.n, SCRIPT, name, timeout=60,
+                            mpiexec_args=["-disable-auto-cleanup"]) for _ in range(args.runs)])
+    for name, pytest_args in PLUGIN_CASES.items():
+        report(name, [run_mpiexec(args.n, *PYTEST, *pytest_args, timeout=60, cwd=str(CASES))
+                      for _ in range(args.runs)])
+
+
+def report(name: str, jobs: list) -> None:
+    codes = sorted({job.returncode for job in jobs})
+    times = [job.elapsed for job in jobs]
+    hung = " (HUNG)" if any(job.timed_out for job in jobs) else ""
+    print(f"{name:36s} {str(codes):14s} {max(times):8.2f} {statistics.median(times):9.2f}{hung}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,911 @@
+"""STAND-IN for CUDA and NCCL: the subset of CuPy that cupycomm's NCCL backend uses, on host memory.
+
+This is a test double, not a GPU path. It lets the real device backend
+(``cupycomm/backends/nccl.py``: counts, byte offsets, NCCL datatype and op codes, roots,
+groups, stream and event choreography, lazy creation, close) run in CI on machines without
+a GPU. Only CUDA and NCCL are stood in:
+
+- ``ndarray`` is a NumPy array that claims to live on a device (``x.device.id``) and exposes
+  its address as ``x.data.ptr``. Every allocation is registered, and each NCCL call checks
+  that the byte ranges it was given lie inside live allocations, as compute-sanitizer would.
+- ``cuda.Stream`` runs work in order. A stream made with ``deferred=True`` holds its work
+  back until something waits for it (``synchronize``, or an event recorded after the work
+  that another stream waits on): a missing event wait in the backend then shows up as stale
+  data, exactly as on a GPU.
+- ``cuda.nccl.NcclCommunicator`` has CuPy's signatures (pointers, counts, NCCL datatypes,
+  stream pointers) and does the work with MPI on host memory. Its unique id names the rank
+  that made it; the members meet there over MPI (as NCCL's bootstrap meets at the address
+  inside its id) and build their MPI communicator with ``MPI_Comm_create_group``.
+
+``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
+so a benchmark can time the backend's own Python cost.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import threading
+import types
+import weakref
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+DEVICE_COUNT = 1
+NO_WORK = False
+
+# -- memory ---------------------------------------------------------------------------------------
+_allocations: dict = {}   # base address -> size in bytes, of every live stand-in allocation
+
+
+class _Pointer:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class Device:
+    """cupy.cuda.Device: a device id and a context that makes it current."""
+
+    _local = threading.local()
+
+    def __init__(self, device: Optional[int] = None) -> None:
+        self.id = Device.current_id() if device is None else int(device)
+        if not 0 <= self.id < DEVICE_COUNT:
+            raise RuntimeError(f"stand-in: invalid device ordinal {self.id}")
+
+    @staticmethod
+    def current_id() -> int:
+        return getattr(Device._local, "id", 0)
+
+    def use(self) -> None:
+        Device._local.id = self.id
+
+    def __enter__(self) -> "Device":
+        self._previous = Device.current_id()
+        self.use()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        Device._local.id = self._previous
+
+    def synchronize(self) -> None:
+        for stream in list(Stream._registry.values()):
+            stream.synchronize()
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        return f"<stand-in Device {self.id}>"
+
+
+class ndarray(np.ndarray):
+    """A NumPy array that stands for a device array of ``device`` (cupy.ndarray)."""
+
+    _device_id = 0
+
+    def __array_finalize__(self, parent: Any) -> None:
+        self._device_id = getattr(parent, "_device_id", Device.current_id())
+        if self.base is None:   # new memory (a copy, an arithmetic result): a new allocation
+            _track(self)
+
+    @property
+    def device(self) -> Device:  # type: ignore[override]
+        return Device(self._device_id)
+
+    @property
+    def data(self) -> _Pointer:  # type: ignore[override]
+        return _Pointer(self.__array_interface__["data"][0])
+
+    def get(self) -> np.ndarray:
+        """cupy.ndarray.get: a host copy."""
+        return np.array(self.view(np.ndarray))
+
+
+def _track(array: np.ndarray) -> None:
+    if _Capture.active:
+        raise NcclError("stand-in: device memory allocated while a CUDA graph is being "
+                        "captured (the replayed graph would not allocate it)")
+    address = array.__array_interface__["data"][0]
+    if array.nbytes:
+        _allocations[address] = array.nbytes
+        weakref.finalize(array, _allocations.pop, address, None)
+
+
+def _register(array: np.ndarray) -> ndarray:
+    _track(array)
+    device_array = array.view(ndarray)
+    device_array._device_id = Device.current_id()
+    return device_array
+
+
+def empty(shape: Any, dtype: Any = float) -> ndarray:
+    return _register(np.empty(shape, dtype))
+
+
+def zeros(shape: Any, dtype: Any = float) -> ndarray:
+    return _register(np.zeros(shape, dtype))
+
+
+def asarray(a: Any, dtype: Any = None) -> ndarray:
+    """cupy.asarray: a view of an object's device memory if it has __cuda_array_interface__
+    (no copy, as CuPy), else a new stand-in device array holding a copy of host data."""
+    interface = getattr(a, "__cuda_array_interface__", None)
+    if interface is None:
+        return _register(np.array(a, dtype=dtype, copy=True, order="C"))
+    dtype = np.dtype(interface["typestr"])
+    shape = tuple(interface["shape"])
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    ptr = interface["data"][0]
+    _check_range(ptr, nbytes, "__cuda_array_interface__ data")
+    memory = (ctypes.c_char * max(nbytes, 1)).from_address(ptr) if ptr else bytearray(1)
+    view = np.frombuffer(memory, dtype, count=nbytes // dtype.itemsize).reshape(shape)
+    device_array = view.view(ndarray)
+    device_array._device_id = Device.current_id()
+    return device_array
+
+
+def concatenate(arrays: Any, axis: Optional[int] = 0, out: Optional[ndarray] = None) -> ndarray:
+    """cupy.concatenate: a new device array, or ``out`` (one kernel on a GPU)."""
+    parts = [np.asarray(a).view(np.ndarray) for a in arrays]
+    if out is not None:
+        np.concatenate(parts, axis, out=out.view(np.ndarray))
+        return out
+    return _register(np.concatenate(parts, axis))
+
+
+def asnumpy(a: Any) -> np.ndarray:
+    """A host copy; like CuPy's, it first waits for the current stream's work."""
+    get_current_stream().synchronize()
+    return np.array(np.asarray(a).view(np.ndarray) if isinstance(a, np.ndarray) else a)
+
+
+def _check_range(ptr: int, nbytes: int, what: str) -> None:
+    if nbytes == 0:
+        return
+    for base, size in _allocations.items():
+        if base <= ptr and ptr + nbytes <= base + size:
+            return
+    raise NcclError(f"stand-in: {what} touches {nbytes} bytes at {ptr:#x}, outside every "
+                    f"live device allocation (an out-of-bounds count or offset)")
+
+
+def _view(ptr: int, count: int, datatype: int, what: str) -> np.ndarray:
+    dtype = _NCCL_DTYPES[datatype]
+    nbytes = count * dtype.itemsize
+    _check_range(ptr, nbytes, what)
+    if nbytes == 0:
+        return np.empty(0, dtype)
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype)
+
+
+# -- streams and events ---------------------------------------------------------------------------
+class Stream:
+    """cupy.cuda.Stream: an in-order queue of work; ``deferred=True`` holds work back.
+
+    A stream that is not deferred runs each piece of work when it is enqueued, except that
+    point-to-point transfers only start then (MPI requests) and complete when the stream
+    must get past them: before its next piece of work, or when someone waits for it.
+    """
+
+    _registry: "weakref.WeakValueDictionary[int, Stream]" = weakref.WeakValueDictionary()
+    _ptrs = itertools.count(0x1000, 0x10)
+    _local = threading.local()
+    null: "Stream"
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, *,
+                 deferred: bool = False) -> None:
+        self.ptr = 0 if null else next(Stream._ptrs)
+        self.device_id = -1 if null else Device.current_id()   # CuPy: -1 for the null stream
+        self.deferred = deferred
+        self.pending: List[Callable[[], Optional[list]]] = []
+        self.outstanding: list = []   # MPI requests of the last piece of work run
+        self.enqueued = 0   # pieces of work ever enqueued
+        self.executed = 0   # pieces of work ever started
+        self.log: List[str] = []
+        self.capture: Optional[_Capture] = None
+        # cupycomm's watchdog thread asks whether events are done while the main thread runs
+        # work: MPI forbids two threads touching one request at once.
+        self.lock = threading.RLock()
+        Stream._registry[self.ptr] = self
+
+    # work
+    def enqueue(self, op: Callable[[], Optional[list]], name: str) -> None:
+        """``op`` runs when the stream gets there; it may return MPI requests it started.
+        While the stream is being captured, ``op`` goes into the graph instead."""
+        if self.capture is not None:
+            self.capture.add(self, op, name)
+            self.log.append(f"captured {name}")
+            return
+        self.log.append(name)
+        self.enqueued += 1
+        self.pending.append(op)
+        if not self.deferred:
+            self.run_until(self.enqueued, complete=False)
+
+    def run_until(self, position: int, complete: bool = True) -> None:
+        with self.lock:
+            while self.executed < position:
+                self._complete()
+                op = self.pending.pop(0)
+                self.executed += 1
+                self.outstanding = op() or []
+            if complete:
+                self._complete()
+
+    def _complete(self) -> None:
+        if self.outstanding:
+            MPI.Request.Waitall(self.outstanding)
+            self.outstanding = []
+
+    def synchronize(self) -> None:
+        self.run_until(self.enqueued)
+
+    @property
+    def done(self) -> bool:
+        return self.reached(self.enqueued)
+
+    def reached(self, position: int) -> bool:
+        """Whether the work up to ``position`` has completed; never blocks (work that another
+        thread is running right now has not)."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if self.executed > position:
+                return True
+            return self.executed == position and MPI.Request.Testall(self.outstanding)
+        finally:
+            self.lock.release()
+
+    def wait_event(self, event: "Event") -> None:
+        if event._capture is not None:   # recorded during a capture: fork into it or join it
+            if not event._capture.ended:
+                event._capture.wait(self, event)
+            return
+        source, position = event._stream, event._position
+        self.enqueue(lambda: source.run_until(position) if source else None,
+                     f"wait {event.name}")
+
+    # CUDA graphs: a captured stream's work becomes a graph, replayed by Graph.launch
+    def begin_capture(self, mode: Any = None) -> None:
+        if self.ptr == 0:
+            raise NcclError("stand-in: the legacy default stream cannot be captured")
+        if self.capture is not None:
+            raise NcclError("stand-in: the stream is already capturing")
+        self.capture = _Capture(self)
+
+    def is_capturing(self) -> bool:
+        return self.capture is not None
+
+    def end_capture(self) -> "Graph":
+        capture = self.capture
+        if capture is None or capture.origin is not self:
+            raise NcclError("stand-in: end_capture on a stream that did not begin a capture")
+        capture.end()
+        return Graph(capture.ops)
+
+    def record(self, event: Optional["Event"] = None) -> "Event":
+        event = event or Event()
+        event.record(self)
+        return event
+
+    # current stream
+    def __enter__(self) -> "Stream":
+        _check_stream_device(self)
+        stack = Stream._stack()
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        Stream._stack().pop()
+
+    def use(self) -> "Stream":
+        _check_stream_device(self)
+        Stream._stack()[:] = [self]
+        return self
+
+    @staticmethod
+    def _stack() -> list:
+        """The current device's stack of current streams (CuPy keeps one per device)."""
+        return Stream._local.__dict__.setdefault("stacks", {}).setdefault(Device.current_id(), [])
+
+    @staticmethod
+    def from_ptr(ptr: int) -> "Stream":
+        return Stream._registry[ptr]
+
+    def __repr__(self) -> str:
+        return f"<stand-in Stream {self.ptr:#x}{' deferred' if self.deferred else ''}>"
+
+
+Stream.null = Stream(null=True)
+
+
+def get_current_stream() -> Stream:
+    stack = Stream._stack()
+    return stack[-1] if stack else Stream.null
+
+
+class Event:
+    """cupy.cuda.Event: marks a position in a stream's work."""
+
+    _names = itertools.count()
+
+    def __init__(self, block: bool = False, disable_timing: bool = False,
+                 interprocess: bool = False) -> None:
+        self._stream: Optional[Stream] = None
+        self._position = 0
+        self._capture: Optional[_Capture] = None
+        self._captured_on: Optional[Stream] = None
+        self.name = f"event{next(Event._names)}"
+        self.device_id = Device.current_id()
+
+    def record(self, stream: Optional[Stream] = None) -> None:
+        stream = stream or get_current_stream()
+        _check_event_device(self, stream)
+        stream.log.append(f"record {self.name}")
+        if stream.capture is not None:   # a node of the graph, not a point in real work
+            self._capture, self._captured_on = stream.capture, stream
+            return
+        self._capture = None
+        self._stream, self._position = stream, stream.enqueued
+
+    @property
+    def done(self) -> bool:
+        return self._stream is None or self._stream.reached(self._position)
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.run_until(self._position)
+
+
+class _Capture:
+    """One capture in progress: the work of every stream in it, in order, and the streams
+    forked into it that have not been joined back into the origin yet."""
+
+    active = 0   # captures in progress (no device allocation is allowed meanwhile)
+
+    def __init__(self, origin: Stream) -> None:
+        self.origin = origin
+        self.ops: List[tuple] = []
+        self.forked: List[Stream] = []
+        self.ended = False
+        _Capture.active += 1
+
+    def add(self, stream: Stream, op: Callable, name: str) -> None:
+        self.ops.append((op, name))
+
+    def wait(self, waiter: Stream, event: "Event") -> None:
+        if waiter.capture is None:          # fork: the waiter joins the capture
+            waiter.capture = self
+            self.forked.append(waiter)
+        elif waiter is self.origin and event._captured_on in self.forked:   # join
+            event._captured_on.capture = None
+            self.forked.remove(event._captured_on)
+
+    def end(self) -> None:
+        _Capture.active -= 1
+        self.ended = True
+        self.origin.capture = None
+        if self.forked:
+            for stream in self.forked:
+                stream.capture = None
+            raise NcclError(f"stand-in: capture ended with {len(self.forked)} forked streams "
+                            f"not joined back (cudaErrorStreamCaptureUnjoined)")
+
+
+class Graph:
+    """cupy.cuda.graph.Graph: the captured work, replayed in order by launch()."""
+
+    def __init__(self, ops: List[tuple]) -> None:
+        self.ops = ops
+
+    def launch(self, stream: Optional[Stream] = None) -> None:
+        stream = stream or get_current_stream()
+        for op, name in self.ops:
+            stream.enqueue(op, f"graph {name}")
+
+
+def launch(stream: Stream, kernel: Callable[[], None], name: str = "kernel") -> None:
+    """Stand-in for a kernel launch: ``kernel`` runs when ``stream`` reaches it."""
+    stream.enqueue(kernel, name)
+
+
+# -- NCCL -----------------------------------------------------------------------------------------
+class NcclError(RuntimeError):
+    def __init__(self, message: str, status: int = 5) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+_NCCL_DTYPES = {0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32),
+                3: np.dtype(np.uint32), 4: np.dtype(np.int64), 5: np.dtype(np.uint64),
+                6: np.dtype(np.float16), 7: np.dtype(np.float32), 8: np.dtype(np.float64)}
+_NUMPY_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}
+try:
+    import ml_dtypes
+    _NCCL_DTYPES[9] = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    pass
+_AVG = 4
+
+# Stand-in traffic travels on its own duplicate of the world: every rank imports this module.
+_WORLD = MPI.COMM_WORLD.Dup()
+_ids = itertools.count()
+_group: Optional[list] = None   # (stream pointer, issue) of each call in an open NCCL group
+
+
+def get_unique_id() -> bytes:
+    """128 bytes naming the rank that made the id and a counter (NCCL: an address to meet at)."""
+    raw = np.zeros(32, np.int32)
+    raw[:3] = (0x5A17D1, _WORLD.Get_rank(), next(_ids))
+    return raw.tobytes()
+
+
+VERSION = 22304   # what get_version() reports: 2.23.4, which has ncclCommSplit
+
+
+def get_version() -> int:
+    return VERSION
+
+
+_depth = 0   # groups nest, as in NCCL: only the outermost groupEnd launches
+
+
+def groupStart() -> None:
+    global _group, _depth
+    if _depth == 0:
+        _group = []
+    _depth += 1
+
+
+def groupEnd() -> None:
+    global _group, _depth
+    if _depth == 0:
+        raise NcclError("stand-in: groupEnd without groupStart")
+    _depth -= 1
+    if _depth:
+        return
+    calls, _group = _group, None
+    _end_local_group()
+    if not calls:
+        return
+    streams = {stream_ptr for stream_ptr, _ in calls}
+    if len(streams) > 1:
+        raise NcclError("stand-in: one group on several streams is not modelled")
+
+    def run():
+        requests: list = []
+        for _, issue in calls:
+            requests.extend(issue())
+        return requests
+    Stream.from_ptr(streams.pop()).enqueue(lambda: None if NO_WORK else run(),
+                                           f"nccl group of {len(calls)}")
+
+
+class NcclCommunicator:
+    """cupy.cuda.nccl.NcclCommunicator over MPI on host memory (see the module docstring)."""
+
+    def __init__(self, ndev: int, commId: bytes, rank: int) -> None:
+        raw = np.frombuffer(bytes(commId), np.int32)
+        if len(commId) != 128 or raw[0] != 0x5A17D1:
+            raise NcclError("stand-in: not a stand-in unique id", status=4)
+        if not 0 <= rank < ndev:
+            raise NcclError(f"stand-in: rank {rank} not in 0..{ndev - 1}", status=4)
+        self._comm = self._meet(ndev, int(raw[1]), int(raw[2]), rank)
+        self._rank, self._size = rank, ndev
+        self._device = Device.current_id()
+        self._alive = True
+        self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
+
+    @staticmethod
+    def _meet(ndev: int, host: int, counter: int, rank: int) -> MPI.Comm:
+        tag = 100 + counter % 30000
+        me = _WORLD.Get_rank()
+        if me == host:
+            members = {rank: me}
+            for _ in range(ndev - 1):
+                their_rank, their_world = _WORLD.recv(source=MPI.ANY_SOURCE, tag=tag)
+                members[their_rank] = their_world
+            order = [members[r] for r in range(ndev)]
+            for world_rank in order:
+                if world_rank != me:
+                    _WORLD.send(order, dest=world_rank, tag=tag)
+        else:
+            _WORLD.send((rank, me), dest=host, tag=tag)
+            order = _WORLD.recv(source=host, tag=tag)
+        return _WORLD.Create_group(_WORLD.Get_group().Incl(order), tag)
+
+    # -- queries and lifetime
+    def rank_id(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def device_id(self) -> int:
+        return self._device
+
+    def _check(self) -> None:
+        if not self._alive:
+            raise NcclError("stand-in: communicator destroyed or aborted", status=5)
+
+    def check_async_error(self) -> None:
+        if self.async_error:
+            raise NcclError(f"stand-in asynchronous error: {self.async_error}", status=6)
+
+    def destroy(self) -> None:
+        if self._alive:
+            self._alive = False
+            self._comm.Free()
+
+    def abort(self) -> None:
+        self._alive = False   # MPI cannot cancel; the stand-in only forbids further use
+
+    def commSplit(self, color: int, key: int, config: Any = None) -> Optional["NcclCommunicator"]:
+        self._check()
+        sub = self._comm.Split(MPI.UNDEFINED if color == -1 else color, key)
+        if sub == MPI.COMM_NULL:
+            return None
+        split = object.__new__(NcclCommunicator)
+        split._comm, split._rank, split._size = sub, sub.Get_rank(), sub.Get_size()
+        split._device, split._alive, split.async_error = self._device, True, None
+        return split
+
+    # -- the work: every call validates now and runs when its stream gets there
+    def _submit(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]],
+                nonblocking: Optional[Callable[[], list]] = None) -> None:
+        self._check()
+        if _group is not None and nonblocking is not None:
+            _group.append((stream_ptr, nonblocking))
+            return
+        if _group is not None:
+            raise NcclError(f"stand-in: {name} inside a group is not modelled")
+        Stream.from_ptr(stream_ptr).enqueue(lambda: None if NO_WORK else run(),
+                                            f"nccl {name}")
+
+    def _reduced(self, send: np.ndarray, op: int) -> np.ndarray:
+        """Every rank's ``send`` reduced elementwise with NCCL op ``op``: gathered as bytes and
+        reduced in NumPy, so any NCCL datatype works (bfloat16 too, which MPI lacks)."""
+        everyone = np.empty((self._size,) + send.shape, send.dtype)
+        self._comm.Allgather(send.view(np.uint8), everyone.reshape(-1).view(np.uint8))
+        result = _NUMPY_OPS[op].reduce(everyone, axis=0, dtype=send.dtype)
+        if op == _AVG:
+            result = np.true_divide(result, self._size).astype(send.dtype)
+        return result
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        send = _view(sendbuf, count, datatype, "allReduce sendbuff")
+        recv = _view(recvbuf, count, datatype, "allReduce recvbuff")
+        self._submit(stream, "allReduce", lambda: recv.__setitem__(
+            Ellipsis, self._reduced(send, op)))
+
+    def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        send = _view(sendbuf, count, datatype, "reduce sendbuff")
+        recv = _view(recvbuf, count, datatype, "reduce recvbuff") if self._rank == root else None
+
+        def run():
+            result = self._reduced(send, op)
+            if recv is not None:
+                recv[...] = result
+        self._submit(stream, "reduce", run)
+
+    def bcast(self, buff, count, datatype, root, stream):
+        buf = _view(buff, count, datatype, "bcast buff")
+        self._submit(stream, "bcast", lambda: self._comm.Bcast(buf, root))
+
+    def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        send = _view(sendbuff, count, datatype, "broadcast sendbuff")
+        recv = _view(recvbuff, count, datatype, "broadcast recvbuff")
+
+        def run():
+            if self._rank == root and sendbuff != recvbuff:
+                recv[...] = send
+            self._comm.Bcast(recv, root)
+        self._submit(stream, "broadcast", run)
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        send = _view(sendbuf, count, datatype, "allGather sendbuff")
+        recv = _view(recvbuf, count * self._size, datatype, "allGather recvbuff")
+        self._submit(stream, "allGather", lambda: self._comm.Allgather(send, recv))
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+        send = _view(sendbuf, recvcount * self._size, datatype, "reduceScatter sendbuff")
+        recv = _view(recvbuf, recvcount, datatype, "reduceScatter recvbuff")
+        mine = slice(self._rank * recvcount, (self._rank + 1) * recvcount)
+        self._submit(stream, "reduceScatter", lambda: recv.__setitem__(
+            Ellipsis, self._reduced(send, op)[mine]))
+
+    def send(self, sendbuf, count, datatype, peer, stream):
+        buf = _view(sendbuf, count, datatype, "send sendbuff")
+        issue = lambda: [self._comm.Isend(buf, peer)]
+        self._submit(stream, "send", issue, issue)
+
+    def recv(self, recvbuf, count, datatype, peer, stream):
+        buf = _view(recvbuf, count, datatype, "recv recvbuff")
+        issue = lambda: [self._comm.Irecv(buf, peer)]
+        self._submit(stream, "recv", issue, issue)
+
+
+# The module layout CuPy has: cupy.cuda, cupy.cuda.nccl, cupy.cuda.runtime.
+nccl = types.SimpleNamespace(
+    NcclCommunicator=NcclCommunicator, NcclError=NcclError, get_unique_id=get_unique_id,
+    get_version=get_version, groupStart=groupStart, groupEnd=groupEnd)
+runtime = types.SimpleNamespace(getDeviceCount=lambda: DEVICE_COUNT)
+cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event, nccl=nccl,
+                             runtime=runtime, get_current_stream=get_current_stream)
+
+
+@contextlib.contextmanager
+def deferred(stream: Stream):
+    """Hold ``stream``'s work back inside the block (a GPU that is still busy)."""
+    stream.deferred = True
+    try:
+        yield stream
+    finally:
+        stream.deferred = False
+
+
+# ==================================================================================================
+# STAND-IN, continued: one process driving several devices (cupycomm.devices, cupycomm.prefetch)
+#
+# Tests choose the number of devices with ``monkeypatch.setattr(nccl_standin, "DEVICE_COUNT", 4)``.
+# - CuPy's device checks: a stream is entered on its own device (streams remember theirs), an
+#   event is recorded on a stream of its own device, and each device has its own current stream.
+# - runtime.memcpyAsync and memcpy2DAsync with CUDA's host-memory rules: a copy between device
+#   memory and pinned host memory runs when its stream gets there (so host code that rewrites a
+#   pinned buffer too early shows up as wrong data); a copy from or to pageable host memory first
+#   waits for its stream, then happens at once (CUDA stages it). The byte ranges are checked
+#   against live allocations and against ``kind``.
+# - alloc_pinned_memory, deviceCanAccessPeer, and _deviceEnsurePeerAccess (CuPy's own helper).
+# - NcclCommunicator.initAll: one communicator per device of this process, without MPI. Their
+#   calls must be inside groupStart()/groupEnd() (one thread driving several GPUs deadlocks
+#   otherwise); groupEnd matches the k-th call of every member into one collective, which is one
+#   piece of work on every member's stream. The first stream to get there runs the other
+#   members' streams up to theirs (each NCCL kernel waits for its peers), then moves the data.
+# ==================================================================================================
+def _check_stream_device(stream: Stream) -> None:
+    if stream.device_id not in (-1, Device.current_id()):
+        raise RuntimeError(f"stand-in: the stream was created on device {stream.device_id}, but "
+                           f"the current device is {Device.current_id()} (CuPy refuses it too)")
+
+
+def _check_event_device(event: Event, stream: Stream) -> None:
+    device = Device.current_id() if stream.device_id == -1 else stream.device_id
+    if event.device_id != device:
+        raise RuntimeError(f"stand-in: {event.name} of device {event.device_id} recorded on a "
+                           f"stream of device {device} (cudaEventRecord fails)")
+
+
+class CUDARuntimeError(RuntimeError):
+    """cupy_backends' CUDARuntimeError, raised for a bad copy."""
+
+
+_pinned: dict = {}          # base address -> size in bytes, of every live pinned host buffer
+peer_access: set = set()    # (device, peer) pairs that _deviceEnsurePeerAccess enabled
+init_all_calls = 0          # how many times NcclCommunicator.initAll ran
+
+
+class PinnedMemoryPointer(bytearray):
+    """cupy.cuda.PinnedMemoryPointer: page-locked host memory that NumPy arrays can view."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+        self.ptr = ctypes.addressof((ctypes.c_char * size).from_buffer(self)) if size else 0
+        if size:
+            _pinned[self.ptr] = size
+            weakref.finalize(self, _pinned.pop, self.ptr, None)
+
+
+def alloc_pinned_memory(size: int) -> PinnedMemoryPointer:
+    return PinnedMemoryPointer(size)
+
+
+def _memory(ptr: int, nbytes: int, what: str) -> str:
+    """'device', 'pinned' or 'pageable' for ``nbytes`` at ``ptr``; a range that starts in an
+    allocation must end in it."""
+    for kind, registry in (("device", _allocations), ("pinned", _pinned)):
+        for base, size in registry.items():
+            if base <= ptr < base + size:
+                if ptr + nbytes > base + size:
+                    raise CUDARuntimeError(f"stand-in: {what} runs {ptr + nbytes - base - size} "
+                                           f"bytes past the end of a {kind} allocation")
+                return kind
+    return "pageable"
+
+
+memcpyHostToHost, memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice, memcpyDefault = \
+    0, 1, 2, 3, 4
+_KINDS = {memcpyHostToHost: ("host", "host"), memcpyHostToDevice: ("host", "device"),
+          memcpyDeviceToHost: ("device", "host"), memcpyDeviceToDevice: ("device", "device")}
+
+
+def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
+    if width > dpitch or width > spitch:
+        raise CUDARuntimeError(f"stand-in: width {width} exceeds a pitch ({dpitch}, {spitch})")
+    if width == 0 or height == 0:
+        return
+    dst_memory = _memory(dst, dpitch * (height - 1) + width, "memcpy destination")
+    src_memory = _memory(src, spitch * (height - 1) + width, "memcpy source")
+    if kind != memcpyDefault:
+        found = tuple("device" if m == "device" else "host" for m in (src_memory, dst_memory))
+        if found != _KINDS[kind]:
+            raise CUDARuntimeError(f"stand-in: memcpy kind {kind} means {_KINDS[kind]}, but the "
+                                   f"pointers are {found} (source, destination)")
+
+    def run():
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+    queue = Stream.from_ptr(stream)
+    name = f"memcpy {src_memory}->{dst_memory} {height}x{width}"
+    if "pageable" in (src_memory, dst_memory):
+        queue.synchronize()
+        run()
+        queue.log.append(f"{name} (at once)")
+    else:
+        queue.enqueue(run, name)
+
+
+def memcpyAsync(dst, src, size, kind, stream):
+    memcpy2DAsync(dst, size, src, size, size, 1, kind, stream)
+
+
+def deviceCanAccessPeer(device: int, peerDevice: int) -> int:
+    Device(device), Device(peerDevice)
+    return int(device != peerDevice)
+
+
+def _deviceEnsurePeerAccess(peerDevice: int) -> None:
+    Device(peerDevice)
+    if peerDevice == Device.current_id():
+        raise CUDARuntimeError("stand-in: a device cannot be its own peer")
+    peer_access.add((Device.current_id(), peerDevice))
+
+
+class _Call:
+    """One member's NCCL call: what it is, the arguments every member must agree on, its buffers."""
+
+    def __init__(self, kind: str, key: tuple, stream: int, send: Any, recv: Any) -> None:
+        self.kind, self.key, self.stream, self.send, self.recv = kind, key, stream, send, recv
+
+
+class _Clique:
+    """The communicators one initAll made; their calls queue here until groupEnd."""
+
+    def __init__(self, devices: list) -> None:
+        self.devices = devices
+        self.calls: List[list] = [[] for _ in devices]
+
+    def launch(self) -> None:
+        calls, self.calls = self.calls, [[] for _ in self.devices]
+        if len({len(member) for member in calls}) != 1:
+            raise NcclError(f"stand-in: in one group the devices {self.devices} made "
+                            f"{[len(member) for member in calls]} calls; NCCL would hang")
+        collectives = list(zip(*calls))
+        for k, members in enumerate(collectives):
+            if len({(m.kind, m.key) for m in members}) != 1:
+                raise NcclError(f"stand-in: call {k} of the group differs between devices: "
+                                f"{[(m.kind, m.key) for m in members]}")
+        for members in collectives:
+            self._enqueue(members)
+
+    @staticmethod
+    def _enqueue(members: tuple) -> None:
+        streams = [Stream.from_ptr(m.stream) for m in members]
+        planned: dict = {}
+        positions = []
+        for stream in streams:   # where each member's piece of work will sit in its stream
+            planned[stream.ptr] = planned.get(stream.ptr, stream.enqueued) + 1
+            positions.append(planned[stream.ptr])
+        done = []
+
+        def arrive():
+            if done:
+                return
+            done.append(True)
+            for stream, position in zip(streams, positions):   # (some not enqueued yet)
+                stream.run_until(min(position - 1, stream.enqueued))
+            if not NO_WORK:
+                _LOCAL_COLLECTIVES[members[0].kind](members)
+        for stream in streams:
+            stream.enqueue(arrive, f"nccl {members[0].kind}")
+
+
+def _local_broadcast(members: tuple) -> None:
+    source = members[members[0].key[2]].send
+    for member in members:
+        if member.recv.ctypes.data != source.ctypes.data:
+            member.recv[...] = source
+
+
+_LOCAL_UFUNCS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, _AVG: np.add}
+
+
+def _local_reduce(members: tuple) -> None:
+    _, _, op, root = members[0].key
+    total = members[0].send.copy()
+    for member in members[1:]:
+        _LOCAL_UFUNCS[op](total, member.send, out=total)
+    if op == _AVG:
+        np.true_divide(total, len(members), out=total)
+    members[root].recv[...] = total
+
+
+_LOCAL_COLLECTIVES = {"broadcast": _local_broadcast, "reduce": _local_reduce}
+_open_cliques: list = []   # cliques with calls in the open group
+
+
+def _end_local_group() -> None:
+    cliques = list(_open_cliques)
+    _open_cliques.clear()
+    for clique in cliques:
+        clique.launch()
+
+
+class LocalNcclCommunicator:
+    """A member of an initAll clique: the NcclCommunicator methods cupycomm.devices calls."""
+
+    def __init__(self, clique: _Clique, rank: int) -> None:
+        self._clique, self._rank, self._alive = clique, rank, True
+
+    def rank_id(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return len(self._clique.devices)
+
+    def device_id(self) -> int:
+        return self._clique.devices[self._rank]
+
+    def destroy(self) -> None:
+        self._alive = False
+
+    def _call(self, kind: str, key: tuple, stream: int, send: Any, recv: Any) -> None:
+        if not self._alive:
+            raise NcclError("stand-in: communicator destroyed", status=5)
+        if _group is None:
+            raise NcclError(f"stand-in: {kind} on one of several communicators of this process "
+                            f"outside groupStart()/groupEnd(): NCCL would deadlock", status=5)
+        self._clique.calls[self._rank].append(_Call(kind, key, stream, send, recv))
+        if self._clique not in _open_cliques:
+            _open_cliques.append(self._clique)
+
+    def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        root_here = self._rank == root
+        send = _view(sendbuff, count, datatype, "broadcast sendbuff") if root_here else None
+        recv = _view(recvbuff, count, datatype, "broadcast recvbuff")
+        self._call("broadcast", (count, datatype, root), stream, send, recv)
+
+    def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        send = _view(sendbuf, count, datatype, "reduce sendbuff")
+        recv = _view(recvbuf, count, datatype, "reduce recvbuff") if self._rank == root else None
+        self._call("reduce", (count, datatype, op, root), stream, send, recv)
+
+
+def _init_all(devices: Any) -> List[LocalNcclCommunicator]:
+    """cupy.cuda.nccl.NcclCommunicator.initAll: one communicator per device, in this process."""
+    global init_all_calls
+    devices = list(range(devices)) if isinstance(devices, int) else list(devices)
+    for device in devices:
+        Device(device)
+    if len(set(devices)) != len(devices):
+        raise NcclError(f"stand-in: initAll of {devices}: a device is repeated", status=4)
+    init_all_calls += 1
+    clique = _Clique(devices)
+    return [LocalNcclCommunicator(clique, rank) for rank in range(len(devices))]
+
+
+NcclCommunicator.initAll = staticmethod(_init_all)
+cuda.alloc_pinned_memory = alloc_pinned_memory
+cuda.PinnedMemoryPointer = PinnedMemoryPointer
+for _name in ("memcpyAsync", "memcpy2DAsync", "memcpyHostToHost", "memcpyHostToDevice",
+              "memcpyDeviceToHost", "memcpyDeviceToDevice", "memcpyDefault", "deviceCanAccessPeer",
+              "_deviceEnsurePeerAccess", "CUDARuntimeError"):
+    setattr(runtime, _name, globals()[_name])

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole suite, as CI runs it: set-up, then the tests in one process and under
+# mpiexec -n 2, 3 and 4 (odd sizes find bugs). The single-process pass also runs the
+# examples and the fault scripts, each under its own mpiexec.
+#
+#   bash tests/run.sh            # from a fresh clone; creates .venv unless one is active
+#   bash tests/run.sh -x -k gather   # extra arguments go to every pytest run
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+    [ -x .venv/bin/python ] || python3 -m venv .venv
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+fi
+python -m pip install -q --upgrade pip
+python -m pip install -q -e '.[test]'
+
+status=0
+run() {
+    echo "+ $*"
+    "$@" || status=$?
+}
+# A hard bound on each pass on top of the plugin's per-test timeout: nothing can hang CI.
+run timeout 900 python -m pytest tests "$@"
+for n in 2 3 4; do
+    run timeout 900 mpiexec -n "$n" python -m pytest tests "$@"
+done
+exit "$status"

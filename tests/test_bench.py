@@ -1,0 +1,399 @@
+"""The benchmark (``python -m cupycomm.bench``): its arithmetic, its table, its checks, and short
+end-to-end runs in this process on every rank (host, the NCCL stand-in, and a real GPU where
+there is one). Behaviour only: no assertion depends on how fast anything ran."""
+import csv
+import io
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import nccl_standin
+from arrays import GPU, GPU_SKIP_REASON
+from cupycomm.bench import main
+from cupycomm.bench.cli import UsageError, parse_args, parse_size, size_series
+from cupycomm.bench.collectives import ROWS, TABLE, Case, count_wrong, known_input, reduced
+from cupycomm.bench.libraries import Impl, host_setup
+from cupycomm.bench.report import (IN_PLACE, OUT_OF_PLACE, Row, bandwidths, format_table,
+                                   human_size, versus)
+from cupycomm.bench.run import Progress, _case, _measure
+from cupycomm.bench.timing import against_first, interleaved, slowest_rank
+import cupycomm
+
+ROOT = Path(__file__).resolve().parent.parent
+STANDIN_FILE = str(ROOT / "tests" / "nccl_standin.py")
+WORLD = MPI.COMM_WORLD
+TINY = ["-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1"]
+
+
+# -- sizes ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, nbytes", [("8", 8), ("1K", 1024), ("64M", 64 << 20),
+                                          ("1G", 1 << 30), ("2KB", 2048), ("4kib", 4096),
+                                          (" 16 ", 16)])
+def test_sizes_parse_like_nccl_tests(text, nbytes):
+    assert parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["", "8X", "-1", "1.5K", "K"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(UsageError, match="not a number of bytes"):
+        parse_size(text)
+
+
+def test_size_series_steps_by_the_factor_and_stops_at_the_end():
+    assert size_series(8, 64 << 20, 4) == [8 * 4 ** k for k in range(12)]   # 8 .. 32M
+    assert size_series(8, 64 << 20, 2)[-1] == 64 << 20
+    assert size_series(1024, 1024, 4) == [1024]
+    assert size_series(8, 100, 3) == [8, 24, 72]
+    for begin, end, factor in [(8, 4, 2), (8, 64, 1), (0, 64, 2)]:
+        with pytest.raises(UsageError):
+            size_series(begin, end, factor)
+
+
+def test_command_line_defaults_and_names():
+    opts = parse_args([])
+    assert [name for name in opts.collectives] == [row.name for row in TABLE]
+    assert opts.sizes[0] == 8 and opts.sizes[-1] == 32 << 20
+    assert (opts.dtype, opts.op, opts.iters, opts.check, opts.backend) == (
+        np.dtype(np.float32), "sum", 20, True, "auto")
+    assert parse_args(["-d", "float"]).dtype == np.float32    # nccl-tests' float is 32-bit
+    assert parse_args(["-d", "half"]).dtype == np.float16
+    opts = parse_args(["--device-module", STANDIN_FILE, "--no-work"])
+    assert (opts.backend, opts.check) == ("device", False)   # no data moves: nothing to check
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["all_reduce", "allreduce"], "unknown collective 'allreduce'"),
+    (["-n", "0"], "--iters >= 1"),
+    (["--no-work"], "--no-work applies to a stand-in"),
+    (["-d", "int32", "-o", "avg"], "not defined for int32"),
+    (["-d", "float128"], "float128"),
+    (["--device-module", "x.py", "--backend", "host"], "for the device backend"),
+])
+def test_bad_command_lines_are_refused(argv, message):
+    with pytest.raises(UsageError, match=message):
+        parse_args(argv)
+
+
+# -- the table's arithmetic -----------------------------------------------------------------------
+NCCL_TESTS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1,
+                      "reduce": lambda n: 1, "all_gather": lambda n: (n - 1) / n,
+                      "reduce_scatter": lambda n: (n - 1) / n,
+                      "all_to_all": lambda n: (n - 1) / n, "gather": lambda n: (n - 1) / n,
+                      "scatter": lambda n: (n - 1) / n, "sendrecv": lambda n: 1,
+                      "all_reduce_coalesced": lambda n: 2 * (n - 1) / n}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_bus_bandwidth_factors_are_nccl_tests(ranks):
+    assert set(ROWS) == set(NCCL_TESTS_FACTORS)
+    for name, factor in NCCL_TESTS_FACTORS.items():
+        assert ROWS[name].bus_factor(ranks) == pytest.approx(factor(ranks)), name
+
+
+def test_algbw_is_size_over_time_and_busbw_scales_it():
+    assert bandwidths(1_000_000, 1e-3, 1.5) == pytest.approx((1.0, 1.5))
+    assert bandwidths(8, 0.0, 1.0) == (0.0, 0.0)
+
+
+def test_layout_follows_nccl_tests_counts():
+    # a whole buffer per rank: count = size / itemsize
+    assert ROWS["all_reduce"].layout(1024, 4, 3) == (256, 1024, 256, 256)
+    # one part per rank: count is the part, and the size shown is what the ranks' parts make
+    assert ROWS["all_gather"].layout(1024, 4, 3) == (85, 1020, 85, 255)
+    assert ROWS["reduce_scatter"].layout(1024, 4, 3) == (85, 1020, 255, 85)
+    assert ROWS["all_to_all"].layout(1024, 4, 4) == (64, 1024, 256, 256)
+    assert ROWS["scatter"].layout(8, 4, 4) == (0, 0, 0, 0)
+
+
+def test_known_inputs_are_the_same_everywhere_and_small():
+    mine = known_input(1, 1000, np.dtype(np.float32))
+    everyone = WORLD.allgather(mine)
+    assert all(np.array_equal(mine, other) for other in everyone)
+    assert mine.min() >= 1 and mine.max() <= 4
+    assert not np.array_equal(known_input(0, 1000, np.dtype(np.float32)), mine)
+    assert known_input(0, 5, np.dtype(np.complex64)).dtype == np.complex64
+
+
+def _case_of(op, ranks, dtype=np.float32, **kw):
+    fields = dict(name="all_reduce", rank=0, ranks=ranks, root=0, op=op, dtype=np.dtype(dtype),
+                  unit=4, nbytes=16, in_place=False, async_op=False, x=None, y=None)
+    fields.update(kw)
+    return Case(**fields)
+
+
+def test_reference_reductions():
+    data = {0: np.array([1, 2, 4]), 1: np.array([3, 1, 4]), 2: np.array([2, 2, 2])}
+    assert reduced(data.get, _case_of("sum", 3)).tolist() == [6, 5, 10]
+    assert reduced(data.get, _case_of("max", 3)).tolist() == [3, 2, 4]
+    assert reduced(data.get, _case_of("prod", 3)).tolist() == [6, 4, 32]
+    halves = {0: np.array([1., 2.]), 1: np.array([2., 2.])}
+    assert reduced(halves.get, _case_of("avg", 2)).tolist() == [1.5, 2.0]
+    logic = {0: np.array([True, False, False]), 1: np.array([True, True, False])}
+    assert reduced(logic.get, _case_of("sum", 2, bool)).tolist() == [True, True, False]
+    assert reduced(logic.get, _case_of("prod", 2, bool)).tolist() == [True, False, False]
+
+
+def test_count_wrong_counts_each_wrong_element():
+    good = np.arange(6, dtype=np.float32)
+    assert count_wrong(good.copy(), good) == 0
+    bad = good.copy()
+    bad[[1, 4]] += 1
+    assert count_wrong(bad, good) == 2
+    assert count_wrong(good + good * 1e-7, good) == 0          # rounding is not an error
+    assert count_wrong(good[:4], good) == 6                    # a wrong shape: all wrong
+    assert count_wrong(good.astype(np.float64), good) == 6     # a wrong dtype: all wrong
+    assert count_wrong(np.array([1, 2, 3]), np.array([1, 2, 4])) == 1
+
+
+# -- timing ---------------------------------------------------------------------------------------
+def test_interleaved_alternates_the_order_and_times_each_call():
+    calls = []
+    runners = [lambda: calls.append("a"), lambda: calls.append("b")]
+    seconds = iter(range(100))
+    times = interleaved(runners, lambda run: (run(), next(seconds))[1], warmup=2, iters=3)
+    assert calls == ["a", "b"] * 2 + ["a", "b", "b", "a", "a", "b"]
+    assert times.tolist() == [[0, 3, 4], [1, 2, 5]]
+
+
+def test_slowest_rank_is_the_max_over_ranks_per_call():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    mine = np.array([[1.0 + rank, 10.0 - rank, 5.0]])
+    got = slowest_rank(WORLD, mine)
+    assert got.tolist() == [[float(size), 10.0, 5.0]]
+
+
+def test_median_ratio_and_added_time_against_the_first():
+    times = np.array([[2.0, 3.0, 2.0, 9.0], [1.0, 1.0, 1.0, 3.0]])
+    (mine, none1, none2), (raw, ratio, added) = against_first(times)
+    assert (mine, none1, none2) == (2.5, None, None)
+    # paired per round: quotients 2, 3, 2, 3 and differences 1, 2, 1, 6
+    assert (raw, ratio, added) == (1.0, 2.5, 1.5)
+
+
+# -- the table and the summary --------------------------------------------------------------------
+def _row(size, impl, mode, time_us, ratio=None, added=None, wrong=0):
+    return Row("all_reduce", impl, mode, size, size // 4, "float32", "sum", -1, time_us,
+               size / time_us / 1e3, size / time_us / 1e3, wrong, ratio, added)
+
+
+def test_table_has_nccl_tests_columns_and_both_modes_per_line():
+    rows = [_row(8, "cupycomm", OUT_OF_PLACE, 3.0), _row(8, "cupycomm", IN_PLACE, 2.5),
+            _row(8, "mpi4py", OUT_OF_PLACE, 2.0, 1.5, 1.0),
+            _row(8, "mpi4py", IN_PLACE, 2.0, 1.25, 0.5, wrong=None),
+            _row(1 << 20, "cupycomm", IN_PLACE, 12345.6)]
+    lines = format_table(rows, compare=True)
+    assert all(line.startswith("#") for line in lines[:3])
+    assert "out-of-place" in lines[0] and "in-place" in lines[0]
+    for title in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
+                  "ratio", "+time"):
+        assert title in lines[1]
+    body = [line.split() for line in lines[3:]]
+    assert len(body) == 3   # one line per size and implementation
+    assert body[0][:6] == ["8", "2", "float32", "sum", "-1", "cupycomm"]
+    assert body[1][-8:] == ["1.500", "+1.00", "2.00", "0.00", "0.00", "N/A", "1.250", "+0.50"]
+    assert body[2][6] == "-" and body[2][7] == "12346"   # no out-of-place row; big times round
+    assert "ratio" not in format_table(rows, compare=False)[1]
+
+
+def test_summary_takes_the_smallest_size_and_the_worst_large_ratio():
+    rows = [_row(8, "mpi4py", OUT_OF_PLACE, 2.0, 1.4, 0.8),
+            _row(8, "mpi4py", IN_PLACE, 2.0, 1.3, 0.9),
+            _row(32 << 10, "mpi4py", IN_PLACE, 5.0, 1.9, 3.0),   # below 64K: not in the worst
+            _row(64 << 10, "mpi4py", OUT_OF_PLACE, 50.0, 1.02, 1.0),
+            _row(1 << 20, "mpi4py", IN_PLACE, 500.0, 1.04, 20.0),
+            _row(8, "cupycomm", OUT_OF_PLACE, 3.0)]
+    (only,) = versus(rows)
+    assert (only.baseline, only.smallest, only.added_us) == ("mpi4py", 8, 0.9)
+    assert (only.worst_ratio, only.worst_at) == (1.04, "1M in-place")
+    assert human_size(64 << 20) == "64M" and human_size(1000) == "1000"
+
+
+def test_progress_line_only_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    shown = Terminal()
+    progress = Progress(shown, enabled=True, total=2)
+    progress.step("all_reduce 8 B")
+    progress.step("x")
+    progress.clear()
+    assert shown.getvalue().startswith("\rall_reduce 8 B [1/2]\rx [2/2]")
+    quiet = io.StringIO()
+    Progress(quiet, enabled=True, total=1).step("nothing")
+    Progress(Terminal(), enabled=False, total=1).step("nothing")
+    assert quiet.getvalue() == ""
+
+
+# -- the check finds a wrong result ---------------------------------------------------------------
+def test_a_deliberately_wrong_implementation_is_counted_wrong():
+    """An implementation that corrupts one element on rank 0 gets #wrong == 1; the real
+    implementations beside it get 0."""
+    opts = parse_args(["all_reduce", "-b", "64", "-e", "64", "-n", "2", "-w", "0", "--compare"])
+
+    def broken(row):
+        def call(comm, case):
+            def run():
+                comm.all_reduce(case.x, out=case.out)
+                if comm.rank == 0:
+                    case.y[3] += 1
+            return run
+        return call
+    with cupycomm.init(WORLD) as comm:
+        setup = host_setup(comm, compare=True)
+        setup.impls.append(Impl("broken", comm, broken))
+        for in_place in (False, True):
+            case = _case(ROWS["all_reduce"], 64, in_place, opts, comm, setup.arrays)
+            rows = _measure(ROWS["all_reduce"], case, setup, opts, comm, {})
+            assert [(r.impl, r.wrong) for r in rows] == [("cupycomm", 0), ("mpi4py", 0),
+                                                         ("broken", 1)]
+
+
+# -- end to end, in this process on every rank ----------------------------------------------------
+@pytest.fixture
+def out_dir():
+    """A fresh folder for the files rank 0 writes. Not tmp_path: under mpiexec every rank's
+    pytest would clean pytest's one base folder at the same time."""
+    with tempfile.TemporaryDirectory(prefix="cupycomm-bench-") as folder:
+        yield Path(folder)
+
+
+def _run(argv, capfd):
+    status = main(argv)
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
+def test_host_run_prints_on_rank_0_and_writes_every_row(out_dir, capfd):
+    csv_path, json_path = out_dir / "r.csv", out_dir / "r.json"
+    status, out, err = _run(TINY + ["--backend", "host", "--compare", "--csv", str(csv_path),
+                                    "--json", str(json_path)], capfd)
+    assert status == 0
+    if WORLD.Get_rank() != 0:
+        assert out == "" and not csv_path.exists()
+        return
+    for row in TABLE:
+        assert f"# Collective test: {row.name}" in out
+    assert "# #wrong in all: 0" in out
+    records = list(csv.DictReader(csv_path.open()))
+    assert records == [{k: str(v) if v is not None else "" for k, v in r.items()}
+                       for r in json.loads(json_path.read_text())]
+    sizes = size_series(8, 4096, 8)
+    modes = sum(len(row.modes) for row in TABLE)
+    assert len(records) == 2 * modes * len(sizes)   # cupycomm and mpi4py
+    first = records[0]
+    assert first["world_size"] == str(WORLD.Get_size())
+    assert first["command"].startswith(f"mpiexec -n {WORLD.Get_size()} python -m cupycomm.bench")
+    for key in ("date", "machine", "cupycomm", "numpy", "mpi4py", "mpi_library"):
+        assert first[key]
+    assert {r["impl"] for r in records} == {"cupycomm", "mpi4py"}
+    assert all(r["wrong"] == "0" for r in records)
+    assert all(float(r["ratio"]) > 0 for r in records if r["impl"] == "mpi4py")
+
+
+def test_async_host_run_checks_out(capfd):
+    status, out, _ = _run(["all_reduce", "sendrecv", "--backend", "host", "--async",
+                           "--compare"] + TINY, capfd)
+    assert status == 0
+    if WORLD.Get_rank() == 0:
+        assert "async_op=True" in out and "# #wrong in all: 0" in out
+
+
+def test_standin_device_run_is_labelled_and_checks_out(capfd):
+    status, out, _ = _run(TINY + ["--device-module", STANDIN_FILE, "--compare", "-o", "max"],
+                          capfd)
+    assert status == 0
+    if WORLD.Get_rank() == 0:
+        assert "STAND-IN" in out and "not GPU numbers" in out
+        assert "cupycomm (stand-in)" in out and "nccl (stand-in)" in out
+        assert "# #wrong in all: 0" in out
+
+
+def test_no_work_standin_run_times_only_the_calls(capfd):
+    assert nccl_standin.NO_WORK is False
+    status, out, _ = _run(["all_reduce", "gather", "--device-module", STANDIN_FILE,
+                           "--no-work", "--compare"] + TINY, capfd)
+    assert status == 0
+    assert nccl_standin.NO_WORK is False   # restored for the rest of the suite
+    if WORLD.Get_rank() == 0:
+        assert "NO_WORK=True" in out and "# #wrong in all: N/A" in out
+
+
+def test_plot_is_written(out_dir, capfd):
+    pytest.importorskip("matplotlib", reason="matplotlib (the plot extra) is not installed")
+    path = out_dir / "bench.png"
+    status, _, _ = _run(["all_reduce", "broadcast", "--backend", "host", "--compare",
+                         "--plot", str(path)] + TINY, capfd)
+    assert status == 0
+    if WORLD.Get_rank() == 0:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--root", "64"], "--root 64 is not a rank"),
+    (["nonsense"], "unknown collective"),
+    (["--device-module", "/nonexistent/standin.py"], "no file"),
+])
+def test_usage_errors_stop_every_rank_and_print_once(argv, message, capfd):
+    status, out, err = _run(argv + ["--backend", "device" if "--device-module" in argv
+                                    else "host"], capfd)
+    assert status == 2 and out == ""
+    assert (message in err) == (WORLD.Get_rank() == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU is None, reason=GPU_SKIP_REASON)
+def test_gpu_run_compares_with_raw_nccl(capfd):
+    status, out, _ = _run(TINY + ["--backend", "device", "--compare"], capfd)
+    assert status == 0
+    if WORLD.Get_rank() == 0:
+        assert "CUDA events" in out and "nccl" in out and "# #wrong in all: 0" in out
+
+
+# -- the scripts' host-only parts -----------------------------------------------------------------
+def _script(*args, env=None):
+    return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=60)
+
+
+@pytest.mark.parametrize("variable", ["PMI_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID"])
+def test_hostid_wrapper_gives_each_rank_its_own_nccl_hostid(variable):
+    env = {name: "" for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID",
+                                 "PMIX_RANK")}
+    env[variable] = "3"
+    done = _script(ROOT / "benchmarks" / "with_hostid", "printenv", "NCCL_HOSTID", env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("-rank3")
+
+
+def test_gpu_validate_dry_run_plans_every_step():
+    done = _script(ROOT / "benchmarks" / "gpu_validate", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    plan = done.stdout
+    assert "-m gpu" in plan
+    for n in (2, 3, 4):
+        assert f"mpiexec -n {n} benchmarks/with_hostid" in plan
+    assert "--backend device --compare" in plan and "benchmarks/results/" in plan
+
+
+def test_run_matrix_dry_run_plans_2_3_and_4_ranks():
+    done = _script(ROOT / "benchmarks" / "run_matrix", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    for n in (2, 3, 4):
+        assert f"mpiexec -n {n} " in done.stdout
+    assert "--compare" in done.stdout and "--csv benchmarks/results/" in done.stdout
+
+
+def test_coalesced_row_cuts_the_buffer_into_views_of_1_kib():
+    from cupycomm.bench.collectives import MAX_PIECES, pieces
+    buffer = np.arange(64 * 256, dtype=np.float32)            # 64 KiB: 64 pieces of 1 KiB
+    cut = pieces(buffer)
+    assert len(cut) == 64 and all(p.nbytes == 1024 and p.base is buffer for p in cut)
+    assert len(pieces(np.zeros(2 ** 20, np.float32))) == MAX_PIECES
+    assert len(pieces(np.zeros(3, np.float32))) == 1
+    np.testing.assert_array_equal(np.concatenate(cut), buffer)

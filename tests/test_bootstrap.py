@@ -1,0 +1,90 @@
+"""init(): idempotence, reuse of an mpi4py communicator, local ranks, devices, arguments."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cupycomm
+from cupycomm import _bootstrap
+
+
+def test_init_is_idempotent_until_closed():
+    first = cupycomm.init()
+    assert cupycomm.init() is first
+    assert (first.rank, first.size) == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+    first.close()
+    second = cupycomm.init()
+    assert second is not first and not second.closed
+    assert second.all_reduce(np.ones(1))[0] == second.size
+    second.close()
+
+
+def test_init_on_an_existing_mpi_communicator():
+    world = MPI.COMM_WORLD
+    half = world.Split(world.Get_rank() % 2, key=-world.Get_rank())
+    with cupycomm.init(mpi_comm=half) as comm:
+        assert (comm.rank, comm.size) == (half.Get_rank(), half.Get_size())
+        assert comm.mpi_comm != half, "cupycomm must work on its own duplicate"
+        total = comm.all_reduce(np.array([world.Get_rank()]))
+        assert total[0] == sum(r for r in range(world.Get_size()) if r % 2 == world.Get_rank() % 2)
+    half.Free()
+
+
+def test_local_rank_comes_from_the_shared_memory_split():
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    with cupycomm.init(MPI.COMM_WORLD) as comm:
+        assert comm.local_rank == node.Get_rank()
+    node.Free()
+
+
+def test_no_gpu_means_no_device_and_numpy():
+    if _bootstrap.choose_device(0, _bootstrap.import_cupy() or None) is not None:
+        pytest.skip("this machine has a GPU; the no-GPU path is for machines without one")
+    with cupycomm.init(MPI.COMM_WORLD) as comm:
+        assert comm.device is None
+        assert comm.xp is np
+
+
+@pytest.mark.parametrize("kwargs,kind,pattern", [
+    ({"device": -1}, ValueError, "device must be a CUDA device number >= 0, got -1"),
+    ({"device": "0"}, ValueError, "device must be a CUDA device number"),
+    ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds, got 0"),
+    ({"mpi_comm": "world"}, TypeError, "mpi_comm must be an mpi4py communicator, got 'world'"),
+])
+def test_init_rejects_bad_arguments(kwargs, kind, pattern):
+    with pytest.raises(kind, match=pattern):
+        cupycomm.init(**kwargs)
+
+
+def test_timeout_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CUPYCOMM_TIMEOUT", "12.5")
+    with cupycomm.init(MPI.COMM_WORLD) as comm:
+        assert comm.timeout == 12.5
+    monkeypatch.setenv("CUPYCOMM_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="CUPYCOMM_TIMEOUT='soon' is not a number of seconds"):
+        cupycomm.init(MPI.COMM_WORLD)
+
+
+def test_default_init_refuses_a_different_device():
+    cupycomm.init().close()
+    comm = cupycomm.init(device=0)
+    try:
+        with pytest.raises(ValueError, match="already initialized with device=0, now asked "
+                                             "for device=1"):
+            cupycomm.init(device=1)
+    finally:
+        comm.close()
+
+
+def test_abort_switch(monkeypatch):
+    assert _bootstrap.abort_enabled(True) and not _bootstrap.abort_enabled(False)
+    monkeypatch.setenv("CUPYCOMM_ABORT_ON_EXCEPTION", "0")
+    assert not _bootstrap.abort_enabled(None)
+    monkeypatch.setenv("CUPYCOMM_ABORT_ON_EXCEPTION", "1")
+    assert _bootstrap.abort_enabled(None)
+
+
+def test_repr_names_rank_and_state():
+    comm = cupycomm.init(MPI.COMM_WORLD)
+    assert f"rank {comm.rank} of {comm.size}" in repr(comm)
+    comm.close()
+    assert "closed" in repr(comm)

@@ -1,0 +1,115 @@
+"""all_reduce_coalesced and Bucket: equal to separate all_reduce calls, any shapes and dtypes."""
+import numpy as np
+import pytest
+
+import cupycomm
+from arrays import all_inputs, assert_equal, rank_input, reduce_reference
+
+SHAPES = [(3,), (2, 2), (), (0,), (17,), (1, 5), (0, 3), (9,)]
+DTYPES = [np.float32, np.float64, np.float32, np.int32, np.float64, np.float16, np.int32,
+          np.uint8]
+
+
+def make_arrays(lib, rank, salt=0):
+    return [lib.array(rank_input(rank, shape, dtype, salt=salt + i))
+            for i, (shape, dtype) in enumerate(zip(SHAPES, DTYPES))]
+
+
+def expected(comm, op, salt=0):
+    return [reduce_reference(all_inputs(comm.size, shape, dtype, salt=salt + i), op, comm.size)
+            for i, (shape, dtype) in enumerate(zip(SHAPES, DTYPES))]
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 64, 1], ids=["default", "64B", "1B"])
+@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_coalesced_equals_separate_calls(lib, comm, op, bucket_bytes, mode):
+    arrays = make_arrays(lib, comm.rank)
+    result = comm.all_reduce_coalesced(arrays, op=op, bucket_bytes=bucket_bytes,
+                                       async_op=mode == "async")
+    if mode == "async":
+        assert isinstance(result, cupycomm.Work)
+        result = result.wait()
+    assert all(r is a for r, a in zip(result, arrays))
+    for array, want in zip(arrays, expected(comm, op)):
+        assert_equal(lib, array, want, op)
+
+
+def test_coalesced_average_of_float_gradients(lib, comm):
+    kinds = [((4,), np.float64), ((2, 3), np.complex64), ((), np.float32)]
+    grads = [lib.array(rank_input(comm.rank, s, d, salt=i)) for i, (s, d) in enumerate(kinds)]
+    comm.all_reduce_coalesced(grads, op="avg")
+    for i, (g, (s, d)) in enumerate(zip(grads, kinds)):
+        assert_equal(lib, g, reduce_reference(all_inputs(comm.size, s, d, salt=i), "avg",
+                                              comm.size), "avg")
+
+
+def test_coalesced_calls_reuse_their_buffer_and_stay_correct(lib, comm):
+    """A training loop: the same shapes every step pack into the same kept buffers, and each
+    step's result is that step's (the kept views never leak an old result)."""
+    kept = []
+    for step in range(3):
+        arrays = make_arrays(lib, comm.rank, salt=10 * step)
+        comm.all_reduce_coalesced(arrays)
+        for array, want in zip(arrays, expected(comm, "sum", salt=10 * step)):
+            assert_equal(lib, array, want, "sum")
+        kept.append({id(plan.flat) for plan in comm._staging._free.values()})
+    shared = [d for d in set(DTYPES) if DTYPES.count(d) > 1]   # the dtypes that get packed
+    assert len(kept[0]) >= len(shared)
+    assert kept[0] == kept[1] == kept[2]
+
+
+def test_coalesced_keeps_a_bounded_number_of_buffers(lib, comm):
+    keep = comm._staging.KEEP
+    for n in range(2, keep + 6):   # a new set of shapes each call
+        comm.all_reduce_coalesced([lib.array(np.ones(n)), lib.array(np.ones(3))])
+    assert len(comm._staging._free) == keep
+
+
+def test_coalesced_empty_list_does_nothing(lib, comm):
+    assert comm.all_reduce_coalesced([]) == []
+
+
+@pytest.mark.parametrize("case,kind,pattern", [
+    ("bucket-zero", ValueError, "bucket_bytes must be a positive int, got 0"),
+    ("not-a-list", TypeError, "arrays must be a list of arrays, got ndarray"),
+    ("int-avg", ValueError, r"op='avg' is not defined for int32"),
+    ("mixed", TypeError, r"arrays\[1\] is a .* but arrays\[0\] is a .*host arrays or device"),
+])
+def test_coalesced_rejects_bad_input_before_communication(lib, comm, case, kind, pattern):
+    import nccl_standin
+    other = np.ones(2) if lib.is_device else nccl_standin.asarray(np.ones(2))
+    calls = {"bucket-zero": lambda: comm.all_reduce_coalesced([lib.array(np.ones(2))],
+                                                              bucket_bytes=0),
+             "not-a-list": lambda: comm.all_reduce_coalesced(np.ones(2)),
+             "int-avg": lambda: comm.all_reduce_coalesced([lib.array(np.ones(2, np.int32))],
+                                                          op="avg"),
+             "mixed": lambda: comm.all_reduce_coalesced([lib.array(np.ones(2)), other])}
+    seq = comm._tracker.seq
+    with pytest.raises(kind, match=pattern):
+        calls[case]()
+    assert comm._tracker.seq == seq
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_bucket_arrays_are_views_reduced_in_one_call_per_dtype(lib, comm, mode):
+    bucket = comm.bucket(make_arrays(lib, comm.rank))
+    assert len(bucket.flats) == len(set(DTYPES))
+    before = comm._tracker.seq
+    result = bucket.all_reduce(op="sum", async_op=mode == "async")
+    if mode == "async":
+        result = result.wait()
+    assert comm._tracker.seq - before == len(set(DTYPES))
+    assert result is bucket.arrays
+    for array, want in zip(bucket.arrays, expected(comm, "sum")):
+        assert_equal(lib, array, want)
+    bucket.arrays[0][...] = comm.rank            # writing a view writes the buffer
+    bucket.broadcast(root=comm.size - 1)
+    assert_equal(lib, bucket.arrays[0], np.full(3, comm.size - 1, np.float32))
+
+
+def test_bucket_average(lib, comm):
+    bucket = comm.bucket([lib.array(np.full(3, comm.rank + 1.0)), lib.array(np.ones((2, 2)))])
+    bucket.all_reduce(op="avg")
+    assert_equal(lib, bucket.arrays[0], np.full(3, (comm.size + 1) / 2), "avg")
+    assert_equal(lib, bucket.arrays[1], np.ones((2, 2)), "avg")

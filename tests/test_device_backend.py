@@ -1,0 +1,187 @@
+"""The NCCL backend's own behaviour: stream and event ordering, Work lifetime, lazy creation,
+close, NCCL errors and timeouts. Against the stand-in in CI; the ordering test also runs on a
+real GPU, where a slow kernel writes the input just before the collective."""
+import gc
+import time
+import weakref
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cupycomm
+import nccl_standin as sd
+from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal
+
+
+
+def test_sync_collective_orders_comm_stream_between_caller_events(dcomm):
+    caller = sd.Stream(non_blocking=True)
+    x = sd.asarray(np.ones(4))
+    with caller:
+        dcomm.all_reduce(x)
+    comm_stream = dcomm._nccl.stream
+    ready, finished = dcomm._nccl._ready.name, dcomm._nccl._finished.name
+    assert caller.log == [f"record {ready}", f"wait {finished}"]
+    assert comm_stream.log[-3:] == [f"wait {ready}", "nccl allReduce", f"record {finished}"]
+
+
+def test_kernel_before_the_collective_on_the_caller_stream_is_seen(dcomm):
+    """The caller's stream still holds the kernel that writes x when the collective is issued:
+    without the event wait, NCCL would reduce the stale ones."""
+    caller = sd.Stream(non_blocking=True, deferred=True)
+    x = sd.asarray(np.ones(4))
+    with caller:
+        sd.launch(caller, lambda: x.__setitem__(Ellipsis, dcomm.rank + 10), "write x")
+        dcomm.all_reduce(x)
+        assert caller.log[0] == "write x"
+        caller.synchronize()
+    expected = sum(r + 10 for r in range(dcomm.size))
+    assert_equal(STANDIN, x, np.full(4, float(expected)))
+
+
+def test_async_collective_leaves_the_caller_stream_alone_until_wait(dcomm):
+    caller = sd.Stream(non_blocking=True)
+    x = sd.asarray(np.ones(3))
+    with caller:
+        work = dcomm.all_reduce(x, async_op=True)
+        assert caller.log == [f"record {dcomm._nccl._ready.name}"]
+        assert work.wait() is x
+        assert caller.log[-1].startswith("wait event")
+    assert work.is_completed()
+    assert_equal(STANDIN, x, np.full(3, float(dcomm.size)))
+
+
+def test_stream_argument_launches_there_without_events(dcomm):
+    mine = sd.Stream(non_blocking=True)
+    x = sd.asarray(np.ones(2))
+    before = len(dcomm._nccl.stream.log)
+    assert dcomm.all_reduce(x, stream=mine) is x
+    assert mine.log == ["nccl allReduce"]
+    assert len(dcomm._nccl.stream.log) == before
+    work = dcomm.broadcast(x, 0, stream=mine, async_op=True)
+    assert mine.log[-2:] == ["nccl bcast", mine.log[-1]] and mine.log[-1].startswith("record")
+    work.synchronize()
+
+
+def test_work_keeps_its_arrays_alive_until_completion(dcomm):
+    held = sd.Stream(non_blocking=True, deferred=True)
+
+    def start():
+        x = sd.asarray(np.ones(1000))
+        dcomm.all_reduce(x, stream=held, async_op=True)   # the Work is dropped at once
+        return weakref.ref(x)
+    ref = start()
+    gc.collect()
+    assert ref() is not None, "an in-flight collective's array was freed"
+    held.synchronize()
+    dcomm.all_reduce(sd.asarray(np.ones(1)), async_op=True).wait()   # prunes completed work
+    gc.collect()
+    assert ref() is None, "a completed collective still holds its array"
+
+
+def test_lazy_creation_and_close():
+    comm = STANDIN.comm()
+    assert comm._nccl is None
+    comm.all_reduce(np.ones(2))          # host work never creates the NCCL communicator
+    assert comm._nccl is None
+    with pytest.raises(RuntimeError, match=r"call comm.init_device\(\) on every rank"):
+        comm.sendrecv(sd.asarray(np.ones(1)), 0, sd.empty(1), 0)
+    assert comm._nccl is None
+    assert_equal(STANDIN, comm.all_reduce(sd.asarray(np.ones(2))), np.full(2, float(comm.size)))
+    backend = comm._nccl
+    assert backend is not None and comm.device.id == 0
+    raw = backend._comm
+    comm.close()
+    assert not raw._alive
+    comm.close()
+    with pytest.raises(cupycomm.CommClosedError):
+        comm.all_reduce(sd.asarray(np.ones(2)))
+    again = STANDIN.comm()   # a new communicator after close works
+    assert_equal(STANDIN, again.all_reduce(sd.asarray(np.ones(2))), np.full(2, float(again.size)))
+    again.close()
+
+
+def test_device_choice_spreads_local_ranks_over_gpus(monkeypatch):
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    with STANDIN.comm() as comm:
+        assert comm.device.id == comm.local_rank % 2
+    with STANDIN.comm(device=1) as comm:
+        assert comm.device.id == 1
+
+
+def test_nccl_failure_is_a_named_error(dcomm, monkeypatch):
+    def broken(*args):
+        raise sd.NcclError("unhandled cuda error")
+    monkeypatch.setattr(dcomm._nccl._comm, "allReduce", broken)
+    with pytest.raises(cupycomm.NcclError, match=r"all_reduce: NCCL failed on rank \d+: "
+                                                 r"unhandled cuda error"):
+        dcomm.all_reduce(sd.asarray(np.ones(2)))
+
+
+def test_asynchronous_nccl_error_surfaces_while_waiting(dcomm):
+    held = sd.Stream(non_blocking=True, deferred=True)
+    work = dcomm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)
+    dcomm._nccl._comm.async_error = "remote process exited"
+    with pytest.raises(cupycomm.NcclError, match="remote process exited"):
+        work.synchronize(timeout=5)
+    held.pending.clear()   # the collective never ran anywhere: drop it on every rank
+
+
+def test_device_timeout_aborts_the_nccl_communicator(dcomm):
+    held = sd.Stream(non_blocking=True, deferred=True)
+    work = dcomm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)
+    with pytest.raises(cupycomm.CollectiveTimeout, match=r"all_reduce: not completed after "
+                                                         r"0.2 s .* NCCL communicator was aborted"):
+        work.wait(timeout=0.2)
+    held.pending.clear()
+    assert not dcomm._nccl._comm._alive
+    with pytest.raises(cupycomm.NcclError, match="aborted"):
+        dcomm.all_reduce(sd.asarray(np.ones(2)))
+    dcomm.all_reduce(np.ones(2))   # the host backend is untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU is None, reason=GPU_SKIP_REASON)
+def test_gpu_kernel_before_the_collective_is_seen():
+    cupy = GPU.module
+    with GPU.comm() as comm:
+        comm.device.use()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        n = 1 << 22
+        with stream:
+            x = cupy.zeros(n, cupy.float32)
+            for _ in range(20):   # a long chain of kernels on the caller's stream
+                x = x * 0.5 + (comm.rank + 1)
+            comm.all_reduce(x)
+            got = cupy.asnumpy(x)
+        expected = sum(_series(r + 1) for r in range(comm.size))
+        np.testing.assert_allclose(got, np.full(n, expected, np.float32), rtol=1e-5)
+
+
+def _series(c, steps=20):
+    value = 0.0
+    for _ in range(steps):
+        value = value * 0.5 + c
+    return np.float32(value)
+
+
+def test_watchdog_aborts_a_stuck_device_communicator(capfd):
+    if MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("the watchdog looks after communicators of 2 or more ranks; ran with 1")
+    with STANDIN.comm(timeout=0.5) as comm:
+        comm.init_device()
+        caller = sd.Stream(non_blocking=True, deferred=True)
+        comm._nccl.stream.deferred = True           # a GPU that never gets to the collective
+        with caller:
+            comm.all_reduce(sd.asarray(np.ones(2)))
+        deadline = time.monotonic() + 10
+        while not comm._nccl._aborted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "have not finished after" in comm._nccl._aborted
+        comm._nccl.stream.pending.clear()            # the collective never ran on any rank
+        caller.pending.clear()
+        comm._nccl.stream.deferred = False
+        with pytest.raises(cupycomm.NcclError, match="was aborted"):
+            comm.all_reduce(sd.asarray(np.ones(2)))
+    assert "the NCCL communicator was aborted" in capfd.readouterr().err

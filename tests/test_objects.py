@@ -1,0 +1,64 @@
+"""Object collectives: pickled Python objects, small and larger than 64 MiB."""
+import numpy as np
+import pytest
+
+import cupycomm
+
+
+def payload(rank):
+    return {"rank": rank, "name": f"r{rank}", "values": list(range(rank + 1))}
+
+
+@pytest.fixture
+def hcomm():
+    with cupycomm.init(cupycomm.communicator.MPI.COMM_WORLD) as comm:
+        yield comm
+
+
+def test_broadcast_object(hcomm):
+    root = hcomm.size - 1
+    got = hcomm.broadcast_object(payload(hcomm.rank) if hcomm.rank == root else None, root)
+    assert got == payload(root)
+
+
+def test_all_gather_object(hcomm):
+    assert hcomm.all_gather_object(payload(hcomm.rank)) == [payload(r) for r in range(hcomm.size)]
+
+
+def test_gather_object(hcomm):
+    got = hcomm.gather_object(payload(hcomm.rank), root=0)
+    assert got == ([payload(r) for r in range(hcomm.size)] if hcomm.rank == 0 else None)
+
+
+def test_scatter_object(hcomm):
+    root = hcomm.size - 1
+    objs = [payload(100 + r) for r in range(hcomm.size)] if hcomm.rank == root else None
+    assert hcomm.scatter_object(objs, root) == payload(100 + hcomm.rank)
+
+
+def test_large_object_over_64_mib(hcomm):
+    big = np.arange(9 * 2 ** 20, dtype=np.float64) if hcomm.rank == 0 else None   # 72 MiB
+    got = hcomm.broadcast_object(big, 0)
+    assert got.nbytes > 64 * 2 ** 20
+    np.testing.assert_array_equal(got[-3:], np.arange(9 * 2 ** 20 - 3, 9 * 2 ** 20))
+
+
+def test_object_calls_validate_before_communication(hcomm):
+    seq = hcomm._tracker.seq
+    with pytest.raises(ValueError, match=r"broadcast_object: root=-1 is not a rank"):
+        hcomm.broadcast_object(1, -1)
+    with pytest.raises(ValueError, match=r"scatter_object: objs must be a list of \d+ objects "
+                                         r"\(one per rank\), got a list of length 0"):
+        hcomm.scatter_object([], 0)
+    with pytest.raises(ValueError, match=r"objs must be a list of \d+ objects .* got 'dict'"):
+        hcomm.scatter_object({}, 0)
+    assert hcomm._tracker.seq == seq
+    assert hcomm.all_gather_object(hcomm.rank) == list(range(hcomm.size))
+
+
+def test_debug_mode_checks_object_collectives_by_name_and_root():
+    with cupycomm.init(cupycomm.communicator.MPI.COMM_WORLD, debug=True) as comm:
+        assert comm.broadcast_object("x" if comm.rank == 0 else None) == "x"
+        if comm.size > 1:
+            with pytest.raises(cupycomm.CollectiveMismatch, match="ranks disagree"):
+                comm.gather_object(comm.rank, root=comm.rank % 2)

@@ -1,0 +1,220 @@
+"""The pytest plugin (cupycomm.testing): the scratch suites of tests/plugin_cases run under
+mpiexec -n 2 and 3, with what rank 0 prints, the exit status and the time it takes; the
+plugin in one process; the launcher.
+
+The launched runs cannot start inside an mpiexec run of the suite (mpiexec does not nest
+there), so these tests run in the single-process pass and skip under mpiexec, alike on
+every rank (the reason depends on the world size only).
+"""
+import os
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from cupycomm.testing import launch_environment, run_mpiexec
+from cupycomm.testing._session import TIMEOUT, worst_exit_status
+
+pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.skipif(
+    MPI.COMM_WORLD.Get_size() > 1,
+    reason="starts mpiexec jobs of its own: runs in the single-process pass of the suite")
+
+CASES = Path(__file__).resolve().parent / "plugin_cases"
+SIZES = [2, 3]
+
+
+def run_cases(n, *args, timeout=90):
+    """``mpiexec -n n python -m pytest *args`` in the scratch suites' directory."""
+    return run_mpiexec(n, "-m", "pytest", "-p", "no:cacheprovider", *args, timeout=timeout,
+                       cwd=str(CASES))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_test_fails_if_it_fails_on_any_rank(n):
+    job = run_cases(n, "case_outcomes.py", "-ra")
+    last = n - 1
+    out = job.stdout
+    assert job.returncode == 1, job.output
+    assert out.count("test session starts") == 1, out   # one report: rank 0's
+    assert "3 failed, 2 passed, 1 skipped, 1 xfailed" in out, out
+    assert f"- rank {last} of {n} -" in out
+    assert f"AssertionError: deliberate failure on rank {last}" in out
+    assert f"FAILED case_outcomes.py::test_fails_on_the_last_rank - [rank {last}] Assert" in out
+    assert f"Captured stdout call (rank {last})" in out
+    assert f"captured output of rank {last}" in out
+    # Isolation: the message left behind by the failed test does not reach the next one.
+    assert "test_next_test_gets_its_own_messages" not in out.split("short test summary")[1]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_ranks_agree_on_skips(n):
+    job = run_cases(n, "case_outcomes.py", "-rs", "-q", "-k", "skip")
+    last = n - 1
+    assert job.returncode == 1, job.output
+    assert (f"SKIPPED [1] case_outcomes.py:18: skipped on rank {last} of {n}: deliberately "
+            "skipped on the last rank only") in job.stdout
+    assert "the ranks disagree on the outcome of the call phase" in job.stdout
+    assert f"skipped on rank {last} (deliberately skipped in the call" in job.stdout
+    assert "1 failed, 1 skipped, 5 deselected" in job.stdout
+
+
+@pytest.mark.parametrize("n, how", [(2, "-o mpi_timeout=3"), (3, "--mpi-timeout=3")])
+def test_a_hanging_test_ends_the_job_with_every_ranks_stack(n, how):
+    job = run_cases(n, "case_hang.py", *how.split(), timeout=60)
+    assert job.returncode == 1, job.output
+    assert not job.timed_out
+    assert job.elapsed < 3 + 12, job.elapsed
+    err = job.stderr
+    assert "case_hang.py::test_rank_0_waits_alone did not finish within 3 s" in err, err
+    for rank in range(n):
+        assert f" rank {rank} (pid " in err, err
+    rank_0, others = err.split(" rank 1 (pid ")
+    assert "in test_rank_0_waits_alone" in rank_0
+    assert others.count("in _agree_on_the_end") == n - 1
+    assert "aborting the MPI job" in err
+    assert "test_never_reached" not in job.output
+
+
+def test_a_rank_that_fails_before_the_session_cannot_hang_the_others():
+    job = run_cases(2, "-p", "case_early_failure", "case_hang.py", "-o", "mpi_timeout=3",
+                    timeout=60)
+    assert job.returncode == 1, job.output
+    assert job.elapsed < 3 + 12, job.elapsed
+    assert "deliberate plugin import failure on the last rank" in job.output
+    assert "the start of the session did not finish within 3 s" in job.stderr
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_ranks_that_collect_different_tests_stop_before_the_first(n):
+    job = run_cases(n, "case_collect_mismatch.py", "case_collect_error.py")
+    last = n - 1
+    out = job.stdout
+    assert job.returncode == 2, job.output
+    assert "ERROR collecting case_collect_error.py" in out
+    assert f"on rank {last} of {n}:" in out
+    assert "ImportError: deliberate import failure on the last rank" in out
+    assert "the ranks collected different tests" in out
+    assert (f"rank 0 has case_collect_error.py::test_nothing, rank {last} has "
+            "case_collect_mismatch.py::test_only_on_the_last_rank") in out
+    assert "Interrupted: 2 errors during collection" in out
+    assert " passed" not in out
+
+
+def test_a_rank_that_stops_the_session_stops_every_rank():
+    job = run_cases(3, "case_exit.py")
+    assert job.returncode == 2, job.output
+    assert "Interrupted: rank 2 left the session" in job.stdout
+    assert "rank 2: _pytest.outcomes.Exit: deliberate stop on the last rank" in job.stdout
+    assert "1 failed" in job.stdout and "test_not_run" not in job.stdout
+
+
+def test_x_stops_every_rank_after_the_same_test():
+    job = run_cases(3, "case_outcomes.py", "-x")
+    assert job.returncode == 1, job.output
+    assert "stopping after 1 failures" in job.stdout
+    assert "1 failed, 1 passed in" in job.stdout
+
+
+def test_last_failed_reads_the_cache_rank_0_wrote(tmp_path):
+    cache = ["-p", "cacheprovider", "-o", f"cache_dir={tmp_path}"]
+    first = run_cases(2, "case_outcomes.py", *cache)
+    assert first.returncode == 1, first.output
+    again = run_cases(2, "case_outcomes.py", "--lf", *cache)
+    assert again.returncode == 1, again.output
+    assert "run-last-failure: rerun previous 3 failures" in again.stdout
+    assert "3 failed, 4 deselected" in again.stdout
+
+
+# -- in one process -------------------------------------------------------------------------------
+def test_in_one_process_the_plugin_adds_only_its_header(pytester):
+    pytester.makepyfile(case_outcomes=(CASES / "case_outcomes.py").read_text())
+    result = pytester.runpytest("case_outcomes.py")
+    result.assert_outcomes(failed=1, passed=1, skipped=4, xfailed=1)
+    result.stdout.fnmatch_lines(["cupycomm.testing: 1 MPI rank (*"])
+    assert " of 1 -" not in result.stdout.str()    # no rank sections in the report
+
+
+def test_timeouts_come_from_the_marker_the_option_the_ini_value(pytester):
+    pytester.makepyfile("""
+        import pytest
+
+        def test_default():
+            pass
+
+        @pytest.mark.mpi_timeout(7)
+        def test_marked():
+            pass
+    """)
+    for args, default in [((), 60.0), (("-o", "mpi_timeout=5"), 5.0),
+                          (("-o", "mpi_timeout=5", "--mpi-timeout=4"), 4.0)]:
+        items, _ = pytester.inline_genitems(*args)
+        assert [item.stash[TIMEOUT] for item in items] == [default, 7.0]
+
+
+@pytest.mark.parametrize("mark", ["mpi_timeout(-1)", "mpi_timeout(1, 2)", "mpi(2)",
+                                  "mpi(min_size=0)", "mpi(min_size=3, max_size=2)"])
+def test_bad_marker_arguments_are_usage_errors(pytester, mark):
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.{mark}
+        def test_x():
+            pass
+    """)
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_x*"])
+
+
+def test_mpi_marker_skips_alike_with_a_reason(pytester):
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.mpi(min_size=2)
+        def test_two():
+            pass
+
+        @pytest.mark.mpi(min_size=1, max_size=1)
+        def test_one():
+            pass
+    """)
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*test_*.py:3: needs at least 2 MPI ranks, has 1 (mpiexec -n 2*"])
+
+
+def test_worst_exit_status_keeps_pytests_meaning():
+    assert worst_exit_status([0, 1, 0]) == 1          # never 1 | 4 = 5, "no tests collected"
+    assert worst_exit_status([1, 4]) == 4
+    assert worst_exit_status([5, 5]) == 5
+    assert worst_exit_status([0, 0]) == 0
+    assert worst_exit_status([2, 7]) == 7             # pytest.exit(returncode=7)
+
+
+# -- the launcher ---------------------------------------------------------------------------------
+def test_run_mpiexec_kills_a_job_past_its_bound():
+    job = run_mpiexec(2, "-c", "import time; time.sleep(60)", timeout=1)
+    assert job.timed_out and job.returncode != 0
+    assert job.elapsed < 5
+
+
+def test_run_mpiexec_returns_status_and_output():
+    job = run_mpiexec(2, "-c", "import sys; from mpi4py import MPI; w = MPI.COMM_WORLD; "
+                               "w.Get_rank() or print(w.Get_size()); sys.exit(3)", timeout=60)
+    assert (job.returncode, job.stdout, job.timed_out) == (3, "2\n", False)
+
+
+def test_launch_environment_drops_the_launchers_variables(monkeypatch):
+    monkeypatch.setenv("PMI_RANK", "3")
+    monkeypatch.setenv("HYDI_CONTROL_FD", "7")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    env = launch_environment({"EXTRA": "1"})
+    assert not {"PMI_RANK", "HYDI_CONTROL_FD", "OMPI_COMM_WORLD_SIZE"} & set(env)
+    assert env["EXTRA"] == "1" and env["PATH"] == os.environ["PATH"]
+
+
+@pytest.mark.parametrize("bad", [dict(n=0, timeout=1), dict(n=2, timeout=0)])
+def test_run_mpiexec_rejects_bad_arguments(bad):
+    with pytest.raises(ValueError, match="run_mpiexec"):
+        run_mpiexec(bad["n"], "-c", "pass", timeout=bad["timeout"])
