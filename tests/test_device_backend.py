@@ -175,13 +175,15 @@ def test_watchdog_aborts_a_stuck_device_communicator(capfd):
         comm._nccl.stream.deferred = True           # a GPU that never gets to the collective
         with caller:
             comm.all_reduce(sd.asarray(np.ones(2)))
-        deadline = time.monotonic() + 10
-        while not comm._nccl._aborted and time.monotonic() < deadline:
+        # The watchdog thread marks the communicator aborted, then prints why: wait for both.
+        printed, deadline = "", time.monotonic() + 10
+        while "communicator was aborted" not in printed and time.monotonic() < deadline:
             time.sleep(0.05)
+            printed += capfd.readouterr().err
         assert "have not finished after" in comm._nccl._aborted
+        assert "the NCCL communicator was aborted" in printed
         comm._nccl.stream.pending.clear()            # the collective never ran on any rank
         caller.pending.clear()
         comm._nccl.stream.deferred = False
         with pytest.raises(cupycomm.NcclError, match="was aborted"):
             comm.all_reduce(sd.asarray(np.ones(2)))
-    assert "the NCCL communicator was aborted" in capfd.readouterr().err
