@@ -23,6 +23,7 @@ class Batch:
         self.kind: Optional[str] = None   # "host" or "device", set by the first call
         self.works: List[Any] = []
         self.caller: Any = None           # device: the stream the block's calls order after
+        self.unpack: List[tuple] = []     # device: (dst, src) copies to make after the group
 
     def claim(self, kind: str, label: str) -> None:
         """Record that ``label``, a call of ``kind``, joins the block (before it is issued)."""

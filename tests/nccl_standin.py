@@ -562,11 +562,11 @@ class NcclCommunicator:
     def _submit(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]],
                 nonblocking: Optional[Callable[[], list]] = None) -> None:
         self._check()
-        if _group is not None and nonblocking is not None:
-            _group.append((stream_ptr, nonblocking))
-            return
         if _group is not None:
-            raise NcclError(f"stand-in: {name} inside a group is not modelled")
+            # In a group, sends and receives start as MPI requests and collectives run in
+            # the order they were issued (NCCL requires every rank to issue them alike).
+            _group.append((stream_ptr, nonblocking or (lambda: run() or [])))
+            return
         Stream.from_ptr(stream_ptr).enqueue(lambda: None if NO_WORK else run(),
                                             f"nccl {name}")
 

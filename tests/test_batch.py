@@ -4,7 +4,7 @@ import pytest
 
 import cupycomm
 import nccl_standin
-from arrays import assert_equal, rank_input
+from arrays import all_inputs, assert_equal, rank_input
 
 
 def grid(size):
@@ -63,13 +63,24 @@ def test_every_call_in_a_block_returns_a_work_completed_by_the_block(lib, comm):
     assert_equal(lib, buf, np.full(4, left + 1.0))
 
 
-def test_host_collectives_join_a_block(comm, lib):
-    if lib.is_device:
-        pytest.skip("device collectives in a block are NCCL group calls: covered on a GPU")
-    x = lib.array(np.full(3, float(comm.rank)))
+def test_collectives_join_a_block(comm, lib):
+    """Host: nonblocking MPI collectives waited together; device: collectives in the NCCL group."""
+    x = lib.array(rank_input(comm.rank, (3,), np.float64))
+    mine = rank_input(comm.rank, (2,), np.int32, salt=1)
+    parts = [lib.empty((2,), np.int32) for _ in range(comm.size)]
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    buf = lib.empty((2,), np.int32)
     with comm.batch():
-        work = comm.all_reduce(x)
-    assert_equal(lib, work.wait(), np.full(3, float(sum(range(comm.size)))))
+        reduced = comm.all_reduce(x)
+        gathered = comm.all_gather(lib.array(mine), out=parts)
+        comm.irecv(buf, left)
+        comm.isend(lib.array(mine), right)
+    assert reduced.wait() is x
+    assert gathered.wait() == parts
+    assert_equal(lib, x, all_inputs(comm.size, (3,), np.float64).sum(axis=0))
+    for peer, part in enumerate(parts):
+        assert_equal(lib, part, rank_input(peer, (2,), np.int32, salt=1))
+    assert_equal(lib, buf, rank_input(left, (2,), np.int32, salt=1))
 
 
 def test_blocks_do_not_nest(comm):

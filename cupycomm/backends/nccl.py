@@ -107,7 +107,7 @@ class NcclBackend:
             raise NcclError(f"{label}: the NCCL communicator was aborted ({self._aborted})")
         self._tracker.seq += 1
         if self._group is not None:
-            return self._launch_grouped(call, args, result, keep, label, stream)
+            return self._launch_grouped(call, args, result, keep, label, stream, unpack)
         if stream is None:
             caller = self._current_stream()
             self._ready.record(caller)
@@ -131,7 +131,7 @@ class NcclBackend:
         return result
 
     def _launch_grouped(self, call, args: tuple, result, keep: tuple, label: str,
-                        stream: Any) -> DeviceWork:
+                        stream: Any, unpack) -> DeviceWork:
         """A call inside a batch() block: part of one NCCL group on the comm stream."""
         group = self._group
         if stream is not None:
@@ -147,6 +147,7 @@ class NcclBackend:
             call(*args, self._stream.ptr)
         except self._raw_error as error:
             raise self._failed(label, error) from error
+        group.unpack.extend(unpack)   # copied out after the group, on the comm stream
         work = DeviceWork(None, result, keep, self, label)   # its event comes with the block's end
         group.works.append(work)
         return work
@@ -163,6 +164,10 @@ class NcclBackend:
             self._nccl_module.groupEnd()
         except self._raw_error as error:
             raise self._failed("batch", error) from error
+        if group.unpack:
+            with self._stream:
+                for dst, src in group.unpack:
+                    dst[...] = src
         with self._device:
             event = self._new_event(disable_timing=True)
         event.record(self._stream)
