@@ -17,11 +17,12 @@ import nccl_standin
 from arrays import GPU, GPU_SKIP_REASON
 from cupycomm.bench import main
 from cupycomm.bench.cli import UsageError, parse_args, parse_size, size_series
-from cupycomm.bench.collectives import ROWS, TABLE, Case, count_wrong, known_input, reduced
+from cupycomm.bench.collectives import (ROWS, TABLE, Case, count_wrong, distinct_sizes,
+                                        known_input, reduced, timed_input)
 from cupycomm.bench.libraries import Impl, host_setup
 from cupycomm.bench.report import (IN_PLACE, OUT_OF_PLACE, Row, bandwidths, format_table,
-                                   human_size, versus)
-from cupycomm.bench.run import Progress, _case, _measure
+                                   human_size, replacing, versus)
+from cupycomm.bench.run import Progress, _case, _measure, command_line
 from cupycomm.bench.timing import against_first, interleaved, slowest_rank
 import cupycomm
 
@@ -108,7 +109,27 @@ def test_layout_follows_nccl_tests_counts():
     assert ROWS["all_gather"].layout(1024, 4, 3) == (85, 1020, 85, 255)
     assert ROWS["reduce_scatter"].layout(1024, 4, 3) == (85, 1020, 255, 85)
     assert ROWS["all_to_all"].layout(1024, 4, 4) == (64, 1024, 256, 256)
-    assert ROWS["scatter"].layout(8, 4, 4) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
+def test_a_size_asked_for_is_never_an_empty_message(ranks):
+    """8 B of float32 on 3 ranks is one element per rank's part (12 B), not 8 // 4 // 3 = 0
+    elements; 8 B of complex128 is one element (16 B). Only a size of 0 is empty."""
+    for row in TABLE:
+        for itemsize in (1, 2, 4, 8, 16):
+            count, shown, x_len, y_len = row.layout(8, itemsize, ranks)
+            assert count >= 1 and x_len >= 1 and y_len >= 1, row.name
+            assert shown == count * itemsize * (ranks if row.x_parts or row.y_parts else 1)
+            assert row.layout(0, itemsize, ranks) == (0, 0, 0, 0)
+    assert ROWS["scatter"].layout(8, 4, 3) == (1, 12, 3, 1)
+    assert ROWS["all_reduce"].layout(8, 16, ranks) == (1, 16, 1, 1)
+
+
+def test_sizes_that_make_the_same_message_run_once():
+    # on 3 ranks, 8 B and 16 B of float32 are both one element per part (12 B)
+    assert distinct_sizes(ROWS["all_gather"], [8, 16, 32, 64], 4, 3) == [8, 32, 64]
+    assert distinct_sizes(ROWS["all_reduce"], [8, 16, 32, 64], 4, 3) == [8, 16, 32, 64]
+    assert distinct_sizes(ROWS["all_reduce"], [1, 2, 4, 8], 4, 2) == [1, 8]
 
 
 def test_known_inputs_are_the_same_everywhere_and_small():
@@ -125,6 +146,31 @@ def _case_of(op, ranks, dtype=np.float32, **kw):
                   unit=4, nbytes=16, in_place=False, async_op=False, x=None, y=None)
     fields.update(kw)
     return Case(**fields)
+
+
+@pytest.mark.parametrize("op, identity", [("sum", 0), ("avg", 0), ("prod", 1)])
+def test_in_place_reductions_are_timed_on_the_identity_of_the_op(op, identity):
+    known = known_input(0, 6, np.dtype(np.float32))
+    row = ROWS["all_reduce"]
+    timed = timed_input(row, _case_of(op, 2, in_place=True), known)
+    assert timed.dtype == known.dtype and timed.tolist() == [identity] * 6
+    # out of place, or an op that leaves its result as it is: the known input itself
+    assert timed_input(row, _case_of(op, 2, in_place=False), known) is known
+    assert timed_input(row, _case_of("max", 2, in_place=True), known) is known
+    assert timed_input(ROWS["broadcast"], _case_of(op, 2, in_place=True), known) is known
+
+
+def test_in_place_timing_never_runs_on_overflowed_values():
+    """Forty in-place float16 sums on known inputs (up to 4 per element) would reach inf after
+    about 14 calls on 2 ranks; timed on the identity, the buffer stays as loaded."""
+    opts = parse_args(["all_reduce", "-b", "64", "-e", "64", "-d", "float16", "-n", "40", "-w",
+                       "5", "--compare"])
+    with cupycomm.init(WORLD) as comm:
+        setup = host_setup(comm, compare=True)
+        case = _case(ROWS["all_reduce"], 64, True, opts, comm, setup.arrays)
+        rows = _measure(ROWS["all_reduce"], case, setup, opts, comm, {})
+        assert [r.wrong for r in rows] == [0, 0]
+        assert np.isfinite(case.x).all() and not case.x.any()
 
 
 def test_reference_reductions():
@@ -201,6 +247,14 @@ def test_table_has_nccl_tests_columns_and_both_modes_per_line():
     assert "ratio" not in format_table(rows, compare=False)[1]
 
 
+def test_summary_takes_the_smallest_message_not_an_empty_one():
+    rows = [_row(0, "mpi4py", OUT_OF_PLACE, 1.0, 1.1, 0.1),
+            _row(12, "mpi4py", OUT_OF_PLACE, 2.0, 1.4, 0.7),
+            _row(24, "mpi4py", OUT_OF_PLACE, 2.0, 1.5, 0.9)]
+    (only,) = versus(rows)
+    assert (only.smallest, only.added_us) == (12, 0.7)
+
+
 def test_summary_takes_the_smallest_size_and_the_worst_large_ratio():
     rows = [_row(8, "mpi4py", OUT_OF_PLACE, 2.0, 1.4, 0.8),
             _row(8, "mpi4py", IN_PLACE, 2.0, 1.3, 0.9),
@@ -214,20 +268,49 @@ def test_summary_takes_the_smallest_size_and_the_worst_large_ratio():
     assert human_size(64 << 20) == "64M" and human_size(1000) == "1000"
 
 
-def test_progress_line_only_on_a_terminal():
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-    shown = Terminal()
-    progress = Progress(shown, enabled=True, total=2)
+def _through_a_pipe(write):
+    """What ``write(stream)`` writes to a real pipe (what mpiexec gives a rank as stderr)."""
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "r", newline="") as reader:
+        with os.fdopen(write_end, "w") as stream:
+            write(stream)
+        return reader.read()
+
+
+def _progress(stream, enabled):
+    progress = Progress(stream, enabled=enabled, total=2)
     progress.step("all_reduce 8 B")
     progress.step("x")
     progress.clear()
-    assert shown.getvalue().startswith("\rall_reduce 8 B [1/2]\rx [2/2]")
-    quiet = io.StringIO()
-    Progress(quiet, enabled=True, total=1).step("nothing")
-    Progress(Terminal(), enabled=False, total=1).step("nothing")
-    assert quiet.getvalue() == ""
+
+
+def test_progress_line_shows_through_a_pipe_but_not_into_a_file(out_dir):
+    """Under mpiexec a rank's stderr is a pipe, never a terminal: the line must show there.
+    Into a regular file (``2> log``) it is left out, unless asked for."""
+    shown = _through_a_pipe(lambda stream: _progress(stream, None))
+    assert shown.startswith("\rall_reduce 8 B [1/2]\rx [2/2]")
+    assert _through_a_pipe(lambda stream: _progress(stream, False)) == ""
+    log = out_dir / "log"
+    with log.open("w") as stream:
+        _progress(stream, None)
+    assert log.read_text() == ""
+    with log.open("w") as stream:
+        _progress(stream, True)
+    assert log.read_bytes().startswith(b"\rall_reduce 8 B [1/2]")
+    assert parse_args(["--no-progress"]).progress is False
+    assert parse_args([]).progress is None
+
+
+def test_run_shows_progress_on_rank_0_only(monkeypatch, capfd):
+    def run(stream):
+        monkeypatch.setattr("sys.stderr", stream)
+        assert main(["all_reduce", "--backend", "host"] + TINY) == 0
+    shown = _through_a_pipe(run)
+    capfd.readouterr()
+    if WORLD.Get_rank() == 0:
+        assert "cupycomm.bench: all_reduce 8 B in-place [2/8]" in shown
+    else:
+        assert shown == ""
 
 
 # -- the check finds a wrong result ---------------------------------------------------------------
@@ -271,8 +354,9 @@ def _run(argv, capfd):
 
 def test_host_run_prints_on_rank_0_and_writes_every_row(out_dir, capfd):
     csv_path, json_path = out_dir / "r.csv", out_dir / "r.json"
-    status, out, err = _run(TINY + ["--backend", "host", "--compare", "--csv", str(csv_path),
-                                    "--json", str(json_path)], capfd)
+    argv = TINY + ["--backend", "host", "--compare", "--csv", str(csv_path), "--json",
+                   str(json_path)]
+    status, out, err = _run(argv, capfd)
     assert status == 0
     if WORLD.Get_rank() != 0:
         assert out == "" and not csv_path.exists()
@@ -288,12 +372,32 @@ def test_host_run_prints_on_rank_0_and_writes_every_row(out_dir, capfd):
     assert len(records) == 2 * modes * len(sizes)   # cupycomm and mpi4py
     first = records[0]
     assert first["world_size"] == str(WORLD.Get_size())
-    assert first["command"].startswith(f"mpiexec -n {WORLD.Get_size()} python -m cupycomm.bench")
+    assert first["command"] == f"cupycomm.bench.main({argv!r})"   # what ran, not a guess
     for key in ("date", "machine", "cupycomm", "numpy", "mpi4py", "mpi_library"):
         assert first[key]
     assert {r["impl"] for r in records} == {"cupycomm", "mpi4py"}
     assert all(r["wrong"] == "0" for r in records)
     assert all(float(r["ratio"]) > 0 for r in records if r["impl"] == "mpi4py")
+
+
+def test_the_command_recorded_is_the_one_given(out_dir, monkeypatch, capfd):
+    """A script that knows the launcher's command line (run_matrix) passes it in
+    CUPYCOMM_BENCH_COMMAND, and that is recorded as it is; else each rank's own Python
+    command line is, never one made up from the options."""
+    given = "CUPYCOMM_X=1 .venv/bin/mpiexec -n 9 .venv/bin/python -m cupycomm.bench 'a b'"
+    monkeypatch.setenv("CUPYCOMM_BENCH_COMMAND", given)
+    csv_path = out_dir / "r.csv"
+    status, out, _ = _run(["all_reduce", "--backend", "host", "--csv", str(csv_path)] + TINY,
+                          capfd)
+    assert status == 0
+    if WORLD.Get_rank() == 0:
+        assert {r["command"] for r in csv.DictReader(csv_path.open())} == {given}
+        assert out.startswith(f"# cupycomm.bench: {given}\n")
+    monkeypatch.delenv("CUPYCOMM_BENCH_COMMAND")
+    monkeypatch.setattr("sys.argv", ["/x/cupycomm/bench/__main__.py", "-b", "1K", "all to"])
+    monkeypatch.setattr("sys.orig_argv", ["/env/bin/python", "-X", "dev", "-m",
+                                          "cupycomm.bench", "-b", "1K", "all to"], raising=False)
+    assert command_line(None) == "/env/bin/python -X dev -m cupycomm.bench -b 1K 'all to'"
 
 
 def test_async_host_run_checks_out(capfd):
@@ -302,6 +406,24 @@ def test_async_host_run_checks_out(capfd):
     assert status == 0
     if WORLD.Get_rank() == 0:
         assert "async_op=True" in out and "# #wrong in all: 0" in out
+
+
+def test_bfloat16_baseline_moves_uint16_bits_and_skips_reductions_with_a_note(capfd):
+    """NumPy exports no buffer of bfloat16: raw mpi4py gets it viewed as uint16 for data
+    movement, as a user would do, and runs no reduction of it (MPI has no such type); the
+    run ends normally instead of aborting the job."""
+    pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes (the test extra)")
+    status, out, _ = _run(["broadcast", "all_gather", "all_reduce", "-d", "bfloat16",
+                           "--backend", "host", "--compare"] + TINY, capfd)
+    assert status == 0
+    if WORLD.Get_rank() == 0:
+        tables = dict(part.split("\n", 1) for part in out.split("# Collective test: ")[1:])
+        for name in ("broadcast", "all_gather"):
+            assert "mpi4py" in tables[name] and "bfloat16" in tables[name]
+        assert "mpi4py" not in tables["all_reduce"].split("# note:")[0]
+        assert ("# note: mpi4py: MPI has no bfloat16 type, so raw mpi4py cannot reduce "
+                "bfloat16" in tables["all_reduce"])
+        assert "# #wrong in all: 0" in out
 
 
 def test_standin_device_run_is_labelled_and_checks_out(capfd):
@@ -332,6 +454,20 @@ def test_plot_is_written(out_dir, capfd):
     assert status == 0
     if WORLD.Get_rank() == 0:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_files_are_replaced_only_once_written(out_dir):
+    path = out_dir / "rows.csv"
+    path.write_text("the last good run\n")
+    with pytest.raises(RuntimeError):
+        with replacing(str(path)) as out:
+            out.write("half a ")
+            raise RuntimeError("the run failed midway")
+    assert path.read_text() == "the last good run\n"
+    assert sorted(p.name for p in out_dir.iterdir()) == ["rows.csv"]
+    with replacing(str(path)) as out:
+        out.write("a new run\n")
+    assert path.read_text() == "a new run\n"
 
 
 @pytest.mark.parametrize("argv, message", [

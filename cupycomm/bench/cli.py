@@ -99,6 +99,7 @@ class Options:
     csv: Optional[str]
     json: Optional[str]
     plot: Optional[str]
+    progress: Optional[bool] = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -161,6 +162,10 @@ def _parser(rank: int) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write every row to a JSON file")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw time and busbw against size (needs matplotlib: the plot extra)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress line on rank 0's stderr (default: unless stderr is a "
+                        "regular file; under mpiexec a rank's stderr is a pipe, so say "
+                        "--no-progress when the launcher's stderr goes to a file)")
     return p
 
 
@@ -198,4 +203,4 @@ def parse_args(argv: Optional[Sequence[str]], rank: int = 0) -> Options:
                    backend="device" if a.device_module else a.backend,
                    async_op=a.async_op, check=a.check and not a.no_work, compare=a.compare,
                    device_module=a.device_module, no_work=a.no_work, csv=a.csv, json=a.json,
-                   plot=a.plot)
+                   plot=a.plot, progress=a.progress)

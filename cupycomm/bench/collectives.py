@@ -15,7 +15,15 @@ cuts the buffer into arrays of 1 KiB (at most 256) and compares one coalesced ca
 user does without it: one call per array, in each library.
 
 Sizes follow nccl-tests: for a collective whose buffers hold one part per rank, ``count`` is the
-part (``size // itemsize // ranks``) and the size shown is ``ranks * count * itemsize``.
+part (``size // itemsize // ranks``) and the size shown is ``ranks * count * itemsize``. A size
+asked for is never measured as an empty message: the count is at least one element (one per
+rank's part), so 8 B of float32 on 3 ranks is shown, and measured, as 12 B; a size whose
+message repeats a smaller one's is run once (see :func:`distinct_sizes`).
+
+The raw mpi4py baseline hands MPI what a user would: the arrays themselves, or for a dtype
+NumPy exports no buffer of (ml_dtypes' bfloat16, kind ``V``) a view as the unsigned integer of
+its size, which moves the same bytes; MPI has no such type to reduce, so that baseline runs no
+reduction of it.
 Bus bandwidth is ``algbw * factor``: all_reduce 2(n-1)/n; all_gather, reduce_scatter,
 all_to_all (n-1)/n; broadcast, reduce, sendrecv 1; gather and scatter (n-1)/n, as nccl-tests'
 gather and scatter tests define them.
@@ -29,10 +37,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from mpi4py import MPI
 
-from .._dtypes import NCCL_INT8, ReduceOp
+from .._dtypes import DTYPES, NCCL_INT8, ReduceOp
 from ..backends.nccl import NcclBackend
 
-__all__ = ["Case", "Collective", "TABLE", "ROWS", "known_input", "reduced", "count_wrong"]
+__all__ = ["Case", "Collective", "TABLE", "ROWS", "distinct_sizes", "known_input", "timed_input",
+           "reduced", "count_wrong"]
 
 Runner = Callable[[], Any]
 Call = Callable[[Any, "Case"], Union[Runner, str]]
@@ -95,8 +104,29 @@ class Case:
         return nonblocking if self.async_op else blocking
 
     @property
+    def mpi_view(self) -> Optional[np.dtype]:
+        """The dtype a user views the arrays as for mpi4py: None where mpi4py takes them as
+        they are; the unsigned integer of the same size for a dtype NumPy exports no buffer
+        of (ml_dtypes' bfloat16)."""
+        return DTYPES[self.dtype].carrier if self.dtype.kind == "V" else None
+
+    def _for_mpi(self, a: Any) -> Any:
+        view = self.mpi_view
+        return a if view is None or a is None else a.view(view)
+
+    @property
+    def mx(self) -> Any:
+        """``x`` as a user hands it to mpi4py (see :attr:`mpi_view`)."""
+        return self._for_mpi(self.x)
+
+    @property
+    def my(self) -> Any:
+        """``y`` as a user hands it to mpi4py (see :attr:`mpi_view`)."""
+        return self._for_mpi(self.y)
+
+    @property
     def mpi_send(self) -> Any:
-        return MPI.IN_PLACE if self.in_place else self.x
+        return MPI.IN_PLACE if self.in_place else self.mx
 
     @property
     def mpi_op(self) -> Optional[MPI.Op]:
@@ -149,13 +179,34 @@ class Collective:
     torch: Call
 
     def layout(self, nbytes: int, itemsize: int, ranks: int) -> Tuple[int, int, int, int]:
-        """(count, size shown, x elements, y elements) for a requested size, as nccl-tests."""
+        """(count, size shown, x elements, y elements) for a requested size, as nccl-tests,
+        except that a size above 0 is never an empty message: at least one element (per
+        rank's part, for the collectives whose buffers hold one part per rank)."""
         count = nbytes // itemsize
         if not (self.x_parts or self.y_parts):
+            count = max(count, 1) if nbytes else 0
             return count, count * itemsize, count, count
-        unit = count // ranks
+        unit = max(count // ranks, 1) if nbytes else 0
         return (unit, unit * ranks * itemsize, unit * (ranks if self.x_parts else 1),
                 unit * (ranks if self.y_parts else 1))
+
+
+def distinct_sizes(row: Collective, sizes: Sequence[int], itemsize: int,
+                   ranks: int) -> List[int]:
+    """The requested ``sizes`` whose message differs from every smaller one's: on 3 ranks,
+    8 B and 16 B of float32 are both one element per rank (12 B), measured once.
+
+    Example::
+
+        distinct_sizes(ROWS["all_gather"], [8, 16, 32], 4, 3)   # [8, 32]: 12 B, 24 B
+    """
+    seen, out = set(), []
+    for nbytes in sizes:
+        shown = row.layout(nbytes, itemsize, ranks)[1]
+        if shown not in seen:
+            seen.add(shown)
+            out.append(nbytes)
+    return out
 
 
 # -- known inputs and NumPy references ------------------------------------------------------------
@@ -174,6 +225,27 @@ def known_input(rank: int, elements: int, dtype: np.dtype) -> np.ndarray:
     if dtype.kind == "c":
         return (ints + 1j * rng.integers(1, 5, elements, dtype=np.uint8)).astype(dtype)
     return ints.astype(dtype)
+
+
+def timed_input(row: Collective, case: Case, known: np.ndarray) -> np.ndarray:
+    """What the timed calls of ``case`` start from. An in-place reduction feeds its result
+    back into its input at every call (a sum on 2 ranks doubles it: float32 reaches inf after
+    about 128 calls, float16 after 16), so it is timed on the op's identity, which every call
+    leaves as it is: 0 for sum and avg, 1 for prod (min and max leave any input as it is
+    after one call). Everything else is timed on its ``known`` input. The buffers are loaded
+    once, before the timed calls, so that nothing is added inside the timed region.
+
+    Example::
+
+        timed_input(ROWS["all_reduce"], in_place_sum_case, known)   # zeros like known
+    """
+    if not (row.reduces and case.in_place):
+        return known
+    if case.op in ("sum", "avg"):
+        return np.zeros_like(known)
+    if case.op == "prod":
+        return np.ones_like(known)
+    return known
 
 
 def reduced(inputs: Inputs, case: Case) -> np.ndarray:
@@ -289,7 +361,7 @@ TABLE: List[Collective] = [
         "all_reduce", _all_reduce_bus, False, False, _BOTH, reduces=True, rooted=False,
         expected=reduced,
         cupycomm=lambda h, c: _p(h.all_reduce, c.x, op=c.op, out=c.out, async_op=c.async_op),
-        mpi=lambda h, c: _p(c.pick(h.Allreduce, h.Iallreduce), c.mpi_send, c.y, c.mpi_op),
+        mpi=lambda h, c: _p(c.pick(h.Allreduce, h.Iallreduce), c.mpi_send, c.my, c.mpi_op),
         nccl=lambda h, c: _p(h.comm.allReduce, c.px, c.py, *c.nccl_reduction(c.unit), h.stream),
         cupyx=lambda h, c: _p(h.all_reduce, c.x, c.y, c.op),
         torch=lambda h, c: (_p(h.dist.all_reduce, h.tensor(c.x), op=h.op(c.op)) if c.in_place
@@ -298,7 +370,7 @@ TABLE: List[Collective] = [
         "broadcast", _unit_bus, False, False, _IN, reduces=False, rooted=True,
         expected=lambda inputs, c: inputs(c.root),
         cupycomm=lambda h, c: _p(h.broadcast, c.x, c.root, async_op=c.async_op),
-        mpi=lambda h, c: _p(c.pick(h.Bcast, h.Ibcast), c.x, c.root),
+        mpi=lambda h, c: _p(c.pick(h.Bcast, h.Ibcast), c.mx, c.root),
         nccl=lambda h, c: _p(h.comm.bcast, c.px, c.x.nbytes, NCCL_INT8, c.root, h.stream),
         cupyx=lambda h, c: _p(h.broadcast, c.x, c.root),
         torch=lambda h, c: _p(h.dist.broadcast, h.tensor(c.x), c.root)),
@@ -307,8 +379,8 @@ TABLE: List[Collective] = [
         expected=lambda inputs, c: reduced(inputs, c) if c.is_root else None,
         cupycomm=lambda h, c: _p(h.reduce, c.x, c.root, op=c.op, out=c.at_root(c.out),
                                  async_op=c.async_op),
-        mpi=lambda h, c: _p(c.pick(h.Reduce, h.Ireduce), c.mpi_send if c.is_root else c.x,
-                            c.at_root(c.y), c.mpi_op, c.root),
+        mpi=lambda h, c: _p(c.pick(h.Reduce, h.Ireduce), c.mpi_send if c.is_root else c.mx,
+                            c.at_root(c.my), c.mpi_op, c.root),
         nccl=lambda h, c: _p(h.comm.reduce, c.px, c.py, *c.nccl_reduction(c.unit), c.root,
                              h.stream),
         cupyx=lambda h, c: _p(h.reduce, c.x, c.y, c.root, c.op),
@@ -318,7 +390,7 @@ TABLE: List[Collective] = [
         "all_gather", _spread_bus, False, True, _OUT, reduces=False, rooted=False,
         expected=_joined,
         cupycomm=lambda h, c: _p(h.all_gather, c.x, out=c.y, async_op=c.async_op),
-        mpi=lambda h, c: _p(c.pick(h.Allgather, h.Iallgather), c.x, c.y),
+        mpi=lambda h, c: _p(c.pick(h.Allgather, h.Iallgather), c.mx, c.my),
         nccl=lambda h, c: _p(h.comm.allGather, c.px, c.py, c.part_bytes, NCCL_INT8, h.stream),
         cupyx=lambda h, c: _p(h.all_gather, c.x, c.y, c.unit),
         torch=lambda h, c: _p(h.dist.all_gather_into_tensor, h.tensor(c.y), h.tensor(c.x))),
@@ -326,7 +398,7 @@ TABLE: List[Collective] = [
         "reduce_scatter", _spread_bus, True, False, _OUT, reduces=True, rooted=False,
         expected=lambda inputs, c: _slice(reduced(inputs, c), c, c.rank),
         cupycomm=lambda h, c: _p(h.reduce_scatter, c.x, op=c.op, out=c.y, async_op=c.async_op),
-        mpi=lambda h, c: _p(c.pick(h.Reduce_scatter_block, h.Ireduce_scatter_block), c.x, c.y,
+        mpi=lambda h, c: _p(c.pick(h.Reduce_scatter_block, h.Ireduce_scatter_block), c.mx, c.my,
                             c.mpi_op),
         nccl=lambda h, c: _p(h.comm.reduceScatter, c.px, c.py, *c.nccl_reduction(c.unit),
                              h.stream),
@@ -338,7 +410,7 @@ TABLE: List[Collective] = [
         expected=lambda inputs, c: np.concatenate([_slice(inputs(j), c, c.rank)
                                                    for j in c.peers]),
         cupycomm=lambda h, c: _p(h.all_to_all, c.x, out=c.y, async_op=c.async_op),
-        mpi=lambda h, c: _p(c.pick(h.Alltoall, h.Ialltoall), c.x, c.y),
+        mpi=lambda h, c: _p(c.pick(h.Alltoall, h.Ialltoall), c.mx, c.my),
         nccl=lambda h, c: _grouped(h, c, _all_parts(c, c.px), _all_parts(c, c.py)),
         cupyx=lambda h, c: _p(h.all_to_all, c.stacked(c.x), c.stacked(c.y)),
         torch=lambda h, c: _p(h.dist.all_to_all_single, h.tensor(c.y), h.tensor(c.x))),
@@ -347,7 +419,7 @@ TABLE: List[Collective] = [
         expected=lambda inputs, c: _joined(inputs, c) if c.is_root else None,
         cupycomm=lambda h, c: _p(h.gather, c.x, c.root, out=c.at_root(c.y),
                                  async_op=c.async_op),
-        mpi=lambda h, c: _p(c.pick(h.Gather, h.Igather), c.x, c.at_root(c.y), c.root),
+        mpi=lambda h, c: _p(c.pick(h.Gather, h.Igather), c.mx, c.at_root(c.my), c.root),
         nccl=lambda h, c: _grouped(h, c, [(c.px, c.root)],
                                    _all_parts(c, c.py) if c.is_root else []),
         cupyx=lambda h, c: _p(h.gather, c.x, c.stacked(c.y), c.root),
@@ -358,7 +430,7 @@ TABLE: List[Collective] = [
         expected=lambda inputs, c: _slice(inputs(c.root), c, c.rank),
         cupycomm=lambda h, c: _p(h.scatter, c.at_root(c.x), c.root, out=c.y,
                                  async_op=c.async_op),
-        mpi=lambda h, c: _p(c.pick(h.Scatter, h.Iscatter), c.at_root(c.x), c.y, c.root),
+        mpi=lambda h, c: _p(c.pick(h.Scatter, h.Iscatter), c.at_root(c.mx), c.my, c.root),
         nccl=lambda h, c: _grouped(h, c, _all_parts(c, c.px) if c.is_root else [],
                                    [(c.py, c.root)]),
         cupyx=lambda h, c: _p(h.scatter, c.stacked(c.x), c.y, c.root),
@@ -368,7 +440,7 @@ TABLE: List[Collective] = [
         "sendrecv", _unit_bus, False, False, _OUT, reduces=False, rooted=False,
         expected=lambda inputs, c: inputs(c.left),
         cupycomm=lambda h, c: _p(h.sendrecv, c.x, c.right, c.y, c.left, async_op=c.async_op),
-        mpi=lambda h, c: _p(c.pick(h.Sendrecv, h.Isendrecv), c.x, c.right, 0, c.y, c.left, 0),
+        mpi=lambda h, c: _p(c.pick(h.Sendrecv, h.Isendrecv), c.mx, c.right, 0, c.my, c.left, 0),
         nccl=lambda h, c: _grouped(h, c, [(c.px, c.right)], [(c.py, c.left)]),
         cupyx=lambda h, c: (_p(h.send_recv, c.x, c.y, c.right) if c.right == c.left else
                             "cupyx.distributed's send_recv has one peer: no ring of 3+ ranks"),

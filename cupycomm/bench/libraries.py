@@ -1,7 +1,8 @@
 """The implementations a run times, cupycomm first, and where their buffers live.
 
 Host backend: cupycomm on NumPy arrays, and with ``--compare`` raw mpi4py on the very MPI
-communicator cupycomm uses (``comm.mpi_comm``). Device backend: cupycomm on device arrays, and
+communicator cupycomm uses (``comm.mpi_comm``), given the arrays as a user gives them (a
+bfloat16 array viewed as uint16; see :mod:`cupycomm.bench.collectives`). Device backend: cupycomm on device arrays, and
 with ``--compare`` a raw ``NcclCommunicator`` of the same device module, then
 ``cupyx.distributed`` and ``torch.distributed`` where installed (real CuPy only). A device module
 loaded from a file is a stand-in: its implementations are labelled so.
@@ -110,6 +111,9 @@ def _wait_request(start: Runner) -> Runner:
 
 
 def _mpi_refuses(row: Collective, case: Case) -> str:
+    if row.reduces and case.mpi_view is not None:
+        return (f"MPI has no {case.dtype} type, so raw mpi4py cannot reduce {case.dtype} (it "
+                f"moves it as {case.mpi_view} bits); only cupycomm runs the reductions")
     if row.reduces and case.mpi_op is None:
         return f"MPI has no {case.op} on {case.dtype} (only cupycomm runs it)"
     return ""

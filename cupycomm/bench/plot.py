@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
-from .report import IN_PLACE, Row
+from .report import IN_PLACE, Row, replacing
 
 __all__ = ["plot"]
 
@@ -59,4 +59,5 @@ def plot(path: str, rows: Sequence[Row], title: str) -> None:
     canvas = figure.canvas
     canvas.draw()
     image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba())
-    image.convert("RGB").quantize(256).save(path, format="PNG", optimize=True)
+    with replacing(path, "wb") as out:
+        image.convert("RGB").quantize(256).save(out, format="PNG", optimize=True)

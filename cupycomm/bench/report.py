@@ -9,6 +9,7 @@ the run's metadata (machine, versions, world size, date, command), so each row s
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -18,7 +19,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -27,7 +28,7 @@ import cupycomm
 
 __all__ = ["Row", "OUT_OF_PLACE", "IN_PLACE", "SUMMARY_FROM", "bandwidths", "human_size",
            "load_average", "format_table", "Versus", "versus", "format_versus", "environment",
-           "write_csv", "write_json"]
+           "replacing", "write_csv", "write_json"]
 
 OUT_OF_PLACE, IN_PLACE = "out-of-place", "in-place"
 SUMMARY_FROM = 64 << 10
@@ -150,7 +151,9 @@ def format_table(rows: Sequence[Row], compare: bool) -> List[str]:
 @dataclass(frozen=True)
 class Versus:
     """cupycomm against one baseline on one collective: the added µs per call at the smallest
-    size, and the worst time ratio over sizes >= :data:`SUMMARY_FROM` (worst of both modes)."""
+    size that is a message (above 0 B: 8 B, or for the collectives whose buffers hold one part
+    per rank, one element per part, 12 B of float32 on 3 ranks), and the worst time ratio over
+    sizes >= :data:`SUMMARY_FROM` (worst of both modes)."""
 
     collective: str
     baseline: str
@@ -174,7 +177,7 @@ def versus(rows: Iterable[Row], threshold: int = SUMMARY_FROM) -> List[Versus]:
             pairs.setdefault((row.collective, row.impl), []).append(row)
     out = []
     for (collective, baseline), group in pairs.items():
-        smallest = min(r.size for r in group)
+        smallest = min((r.size for r in group if r.size > 0), default=0)
         added = max(r.added_us for r in group if r.size == smallest)
         large = [r for r in group if r.size >= threshold]
         worst = max(large, key=lambda r: r.ratio) if large else None
@@ -188,9 +191,9 @@ def format_versus(summary: Sequence[Versus], threshold: int = SUMMARY_FROM) -> L
     """The summary as lines for the output (empty when nothing was compared)."""
     if not summary:
         return []
-    lines = [f"# cupycomm against each baseline: +time per call at the smallest size, worst "
-             f"time ratio (cupycomm / baseline) at sizes >= {human_size(threshold)} (worst of "
-             f"both modes)",
+    lines = [f"# cupycomm against each baseline: +time per call at the smallest message measured "
+             f"(size, in bytes), worst time ratio (cupycomm / baseline) at sizes >= "
+             f"{human_size(threshold)} (worst of both modes)",
              f"#{'collective':>20} {'baseline':<22} {'size':>6} {'+time(us)':>10} "
              f"{'worst ratio':>12}  at"]
     for v in summary:
@@ -217,12 +220,12 @@ def load_average() -> str:
     return " ".join(f"{load:.2f}" for load in os.getloadavg())
 
 
-def environment(world_size: int, argv: Sequence[str], extra: Dict[str, str]) -> Dict[str, Any]:
-    """The run's metadata: date, command, machine, versions, world size (plus ``extra``)."""
-    import shlex
+def environment(world_size: int, command: str, extra: Dict[str, str]) -> Dict[str, Any]:
+    """The run's metadata: date, the command as run (see :func:`cupycomm.bench.run.
+    command_line`), machine, versions, world size (plus ``extra``)."""
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": f"mpiexec -n {world_size} python -m cupycomm.bench {shlex.join(argv)}".strip(),
+        "command": command,
         "machine": socket.gethostname(),
         "cpu": f"{_cpu_model()} x {os.cpu_count()}",
         "os": platform.platform(),
@@ -241,11 +244,31 @@ def _records(meta: Dict[str, Any], rows: Sequence[Row]) -> List[Dict[str, Any]]:
     return [{**meta, **dataclasses.asdict(row)} for row in rows]
 
 
+@contextlib.contextmanager
+def replacing(path: str, mode: str = "w", **kwargs: Any) -> Iterator[Any]:
+    """``open(path + ".tmp")``, renamed to ``path`` once written: a run that fails midway
+    leaves the file it would have replaced as it was, never an empty or partial one.
+
+    Example::
+
+        with replacing("rows.csv", newline="") as out:
+            out.write("size,time\\n")
+    """
+    partial = f"{path}.tmp"
+    try:
+        with open(partial, mode, **kwargs) as out:
+            yield out
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
 def write_csv(path: str, meta: Dict[str, Any], rows: Sequence[Row]) -> None:
     """Every row, each with the metadata, as CSV."""
     records = _records(meta, rows)
     fields = list(meta) + [f.name for f in dataclasses.fields(Row)]
-    with open(path, "w", newline="") as out:
+    with replacing(path, newline="") as out:
         writer = csv.DictWriter(out, fieldnames=fields)
         writer.writeheader()
         writer.writerows(records)
@@ -253,6 +276,6 @@ def write_csv(path: str, meta: Dict[str, Any], rows: Sequence[Row]) -> None:
 
 def write_json(path: str, meta: Dict[str, Any], rows: Sequence[Row]) -> None:
     """Every row, each with the metadata, as a JSON list."""
-    with open(path, "w") as out:
+    with replacing(path) as out:
         json.dump(_records(meta, rows), out, indent=1)
         out.write("\n")

@@ -1,13 +1,18 @@
 """The run: options in; per collective, size and mode a case measured and checked; table out.
 
 For each case every implementation is checked once on known inputs (``#wrong``, summed over
-ranks), then timed interleaved with the others (see :mod:`cupycomm.bench.timing`). Rank 0
-prints and writes the files; the other ranks stay quiet.
+ranks), then timed interleaved with the others (see :mod:`cupycomm.bench.timing`), on inputs
+loaded once before the timed calls (:func:`~cupycomm.bench.collectives.timed_input`). Rank 0
+prints and writes the files; the other ranks stay quiet, except that rank 0 also shows a
+progress line on stderr (:class:`Progress`).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import shlex
+import stat
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO
 
@@ -18,7 +23,8 @@ import cupycomm
 
 from .._dtypes import DTYPES
 from .cli import Options, UsageError, parse_args
-from .collectives import ROWS, Case, Collective, count_wrong, known_input
+from .collectives import (ROWS, Case, Collective, count_wrong, distinct_sizes, known_input,
+                          timed_input)
 from .libraries import (Arrays, Setup, device_setup, everywhere, host_setup,
                         load_device_module)
 from .report import (IN_PLACE, OUT_OF_PLACE, Row, bandwidths, environment, format_table,
@@ -28,13 +34,26 @@ from .timing import against_first, interleaved, slowest_rank
 __all__ = ["main", "Progress"]
 
 
-class Progress:
-    """One line on a terminal, rewritten at each step ("all_reduce 2M in-place [7/40]");
-    silent when ``stream`` is not a terminal or ``enabled`` is false (ranks other than 0)."""
+def _not_a_file(stream: TextIO) -> bool:
+    """Whether ``stream`` is anything but a regular file: a terminal, or the pipe through
+    which ``mpiexec`` forwards a rank's stderr to one (a rank never sees the terminal itself)."""
+    try:
+        return not stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):   # no file descriptor (io.StringIO...)
+        return True
 
-    def __init__(self, stream: TextIO, enabled: bool, total: int) -> None:
+
+class Progress:
+    """One line, rewritten at each step ("all_reduce 2M in-place [7/40]"), on ``stream``.
+
+    ``enabled``: True shows it, False never (the ranks other than 0, ``--no-progress``), None
+    shows it unless ``stream`` is a regular file, so that ``2> log`` gets no carriage returns
+    while a terminal gets the line, through mpiexec's pipes as well.
+    """
+
+    def __init__(self, stream: TextIO, enabled: Optional[bool], total: int) -> None:
         self._stream = stream
-        self._on = enabled and stream.isatty()
+        self._on = _not_a_file(stream) if enabled is None else enabled
         self._total = total
         self._done = 0
         self._width = 0
@@ -130,7 +149,9 @@ def _measure(row: Collective, case: Case, setup: Setup, opts: Options, comm: Any
                            for run in runners], dtype=np.int64)
         comm.mpi_comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
         wrong = [int(n) for n in counts]
-    setup.arrays.load(case.x, inputs(case.rank))   # timed on known values, never on garbage
+    # Timed on known values (never on garbage, nor on values the calls keep growing), loaded
+    # here once: nothing is added inside the timed region.
+    setup.arrays.load(case.x, timed_input(row, case, inputs(case.rank)))
     times = slowest_rank(comm.mpi_comm,
                          interleaved(runners, setup.timer, opts.warmup, opts.iters))
     factor = row.bus_factor(case.ranks)
@@ -166,6 +187,9 @@ def _header(meta: Dict[str, Any], setup: Setup, opts: Options) -> List[str]:
                 if opts.no_work else "data moves through MPI in host memory")
         lines.append(f"# STAND-IN: device rows run on {meta.get('device_module')} (host "
                      f"memory, {work}); they are not GPU numbers")
+    if any(ROWS[name].reduces and True in ROWS[name].modes for name in opts.collectives):
+        lines.append("# in-place reductions are timed on the op's identity (0 for sum and avg, 1 "
+                     "for prod), which repeated calls leave as it is (no overflow to inf)")
     if not opts.check:
         lines.append("# #wrong: N/A, results not checked")
     return lines + [f"# note: {note}" for note in setup.notes]
@@ -185,6 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         main(["all_reduce", "-b", "8", "-e", "1K", "--compare"])   # under mpiexec -n 2
     """
+    command = command_line(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -192,23 +217,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         opts = parse_args(argv, rank)
         module = load_device_module(opts.device_module) if opts.device_module else None
         with _data_movement(module, opts.no_work):
-            return _run(world, argv, opts, module, _say(rank))
+            return _run(world, command, opts, module, _say(rank))
     except (UsageError, FileNotFoundError) as error:   # alike on every rank: all stop
         if rank == 0:
             print(f"python -m cupycomm.bench: error: {error}", file=sys.stderr, flush=True)
         return 2
 
 
-def _run(world: MPI.Comm, argv: List[str], opts: Options, module: Any, say: Any) -> int:
+def command_line(argv: Optional[Sequence[str]]) -> str:
+    """The command that ran, as exactly as a rank can know it: the environment variable
+    CUPYCOMM_BENCH_COMMAND where a script sets it (``benchmarks/run_matrix`` does: the ranks
+    cannot see the launcher's own command line); else this rank's Python command line (its
+    interpreter, ``-m cupycomm.bench`` and the arguments as given); else, for ``main(argv)``
+    called from Python, that call."""
+    exact = os.environ.get("CUPYCOMM_BENCH_COMMAND", "").strip()
+    if exact:
+        return exact
+    if argv is not None:
+        return f"cupycomm.bench.main({list(argv)!r})"
+    python = getattr(sys, "orig_argv", None) or [sys.executable, "-m", "cupycomm.bench",
+                                                 *sys.argv[1:]]
+    return shlex.join(python)
+
+
+def _run(world: MPI.Comm, command: str, opts: Options, module: Any, say: Any) -> int:
     comm = cupycomm.init(world, device_module=module)
     setup: Optional[Setup] = None
     try:
         setup = _setup(comm, opts, module)
-        meta = environment(comm.size, argv, {"backend": setup.backend, **setup.versions})
+        meta = environment(comm.size, command, {"backend": setup.backend, **setup.versions})
         for line in _header(meta, setup, opts):
             say(line)
-        progress = Progress(sys.stderr, comm.rank == 0, sum(
-            len(opts.sizes) * len(ROWS[name].modes) for name in opts.collectives))
+        progress = Progress(sys.stderr, opts.progress if comm.rank == 0 else False, sum(
+            len(_sizes(ROWS[name], opts, comm.size)) * len(ROWS[name].modes)
+            for name in opts.collectives))
         rows: List[Row] = []
         for name in opts.collectives:
             rows += _collective(ROWS[name], opts, comm, setup, progress, say)
@@ -219,16 +261,20 @@ def _run(world: MPI.Comm, argv: List[str], opts: Options, module: Any, say: Any)
         comm.close()
 
 
+def _sizes(row: Collective, opts: Options, ranks: int) -> List[int]:
+    return distinct_sizes(row, opts.sizes, opts.dtype.itemsize, ranks)
+
+
 def _collective(row: Collective, opts: Options, comm: Any, setup: Setup, progress: Progress,
                 say: Any) -> List[Row]:
     """Every size and mode of one collective, then its table."""
     notes: Dict[str, None] = {}
     rows: List[Row] = []
-    for nbytes in opts.sizes:
+    for nbytes in _sizes(row, opts, comm.size):
         for in_place in row.modes:
-            progress.step(f"cupycomm.bench: {row.name} {nbytes} B "
-                          f"{IN_PLACE if in_place else OUT_OF_PLACE}")
             case = _case(row, nbytes, in_place, opts, comm, setup.arrays)
+            progress.step(f"cupycomm.bench: {row.name} {case.nbytes} B "
+                          f"{IN_PLACE if in_place else OUT_OF_PLACE}")
             rows += _measure(row, case, setup, opts, comm, notes)
     progress.clear()
     say()
