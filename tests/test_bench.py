@@ -6,6 +6,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -517,12 +518,57 @@ def test_gpu_validate_dry_run_plans_every_step():
     assert "--backend device --compare" in plan and "benchmarks/results/" in plan
 
 
+def _outside_mpiexec(**extra):
+    """This environment less what mpiexec gave this rank (a launcher started from here must
+    not take itself for a rank), less the active virtual environment and its PATH entry."""
+    ours = str(Path(sys.prefix) / "bin")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCAL", "OMPI_"))
+           and k != "VIRTUAL_ENV"}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and Path(p) != Path(ours))
+    env.update(extra)
+    return env
+
+
 def test_run_matrix_dry_run_plans_2_3_and_4_ranks():
-    done = _script(ROOT / "benchmarks" / "run_matrix", "--dry-run")
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_matrix"), "--dry-run"],
+                          capture_output=True, text=True, env=_outside_mpiexec(), timeout=60)
     assert done.returncode == 0, done.stderr
     for n in (2, 3, 4):
-        assert f"mpiexec -n {n} " in done.stdout
+        # no venv active, none on PATH: the commands name .venv's launcher and interpreter
+        assert f"+ .venv/bin/mpiexec -n {n} .venv/bin/python -m cupycomm.bench " in done.stdout
     assert "--compare" in done.stdout and "--csv benchmarks/results/" in done.stdout
+    assert "pip install" in done.stdout
+
+
+@pytest.mark.skipif(not (Path(sys.prefix) / "bin" / "mpiexec").exists(),
+                    reason="the test's environment has no mpiexec of its own (the mpich extra)")
+def test_run_matrix_runs_with_nothing_on_path_and_leaves_no_file_when_a_run_fails(out_dir):
+    """As the README gives it: no venv on PATH (bare mpiexec and python would not be found),
+    the environment named by VIRTUAL_ENV only. One world size fails (a bad option): it
+    writes nothing, the other's table, CSV and plot are there and record the exact command."""
+    if WORLD.Get_rank() != 0:
+        return
+    env = _outside_mpiexec(VIRTUAL_ENV=sys.prefix, RANKS="1", RESULTS=str(out_dir),
+                           MACHINE="box", DATE="today", ITERS="2")
+    script = str(ROOT / "benchmarks" / "run_matrix")
+    done = subprocess.run(["bash", script, "all_reduce", "-e", "64", "-w", "0", "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in out_dir.iterdir()) == [
+        "box_today_host_n1.csv", "box_today_host_n1.png", "box_today_host_n1.txt"]
+    table = (out_dir / "box_today_host_n1.txt").read_text()
+    command = f"{sys.prefix}/bin/mpiexec -n 1 {sys.prefix}/bin/python -m cupycomm.bench -b 8"
+    assert table.startswith(f"# cupycomm.bench: {command}") and "# #wrong in all: 0" in table
+    assert next(csv.DictReader((out_dir / "box_today_host_n1.csv").open()))[
+        "command"].startswith(command)
+    for path in out_dir.iterdir():
+        path.unlink()
+    failed = subprocess.run(["bash", script, "--root", "64"], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert failed.returncode == 1 and "1 ranks failed" in failed.stderr
+    assert list(out_dir.iterdir()) == []
 
 
 def test_coalesced_row_cuts_the_buffer_into_views_of_1_kib():
