@@ -2,10 +2,12 @@
 compare a fingerprint of the call, so that a disagreement raises on every rank at once
 instead of hanging or returning garbage.
 
-The fingerprint holds the collective's name, its sequence number, and for each array
-argument its kind, dtype, size and contiguity, plus op and root. Arguments that only the
-root reads (scatter's ``x``, gather's and reduce's ``out``) count on the root only; async_op
-and stream may differ. Point-to-point calls are not checked (only two ranks take part).
+The fingerprint holds the collective's name, its sequence number, the data array's kind,
+dtype, size and contiguity (``x``; scatter's ``out``: what every rank passes alike), and the
+other arguments (op, root, a new group's ranks). Arguments that may differ by rank are left
+out: ``out`` (where a rank puts its result is its own affair), arguments only the root
+reads (scatter's ``x``), async_op, stream and the objects of object collectives. Point-to-
+point calls are not checked (only two ranks take part).
 Cost: building the fingerprint and one allgather of its 8-byte checksum per collective;
 the whole fingerprints travel only when the checksums differ (see the README for the
 measured figure).
@@ -21,7 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import zlib
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -29,13 +31,14 @@ from .errors import CollectiveMismatch
 
 __all__ = ["CHECKED", "install"]
 
-# Collective -> arguments read only on the root.
-CHECKED: Dict[str, Tuple[str, ...]] = {
-    "all_reduce": (), "reduce": ("out",), "broadcast": (), "all_gather": (),
-    "reduce_scatter": (), "all_to_all": (), "scatter": ("x",), "gather": ("out",),
-    "barrier": (), "broadcast_object": (), "all_gather_object": (), "gather_object": (),
-    "scatter_object": (),
+# Collective -> its data argument: the array every rank passes alike (None: no array).
+CHECKED: Dict[str, Optional[str]] = {
+    "all_reduce": "x", "reduce": "x", "broadcast": "x", "all_gather": "x",
+    "reduce_scatter": "x", "all_to_all": "x", "scatter": "out", "gather": "x",
+    "barrier": None, "broadcast_object": None, "all_gather_object": None,
+    "gather_object": None, "scatter_object": None, "new_group": None,
 }
+_ARRAYS = ("x", "out")   # array arguments: only the data argument counts
 _IGNORED = ("self", "async_op", "stream", "obj", "objs")   # objects may differ by rank
 _SPLITS = ("in_splits", "out_splits")   # rank-specific by nature: cross-checked instead
 
@@ -66,18 +69,19 @@ def _array_text(print_: Any) -> str:
     return f"{count}{np.dtype(dtype).name}{layout} ({library})"
 
 
-def fingerprint(name: str, arguments: Dict[str, Any], rank: int) -> Tuple:
+def fingerprint(name: str, arguments: Dict[str, Any]) -> Tuple:
     """(name, ((argument, value), ...)): what must agree across ranks. With uneven splits,
     array sizes differ by rank: the splits are cross-checked instead."""
-    root = arguments.get("root")
-    root_only = CHECKED[name] if rank != root else ()
+    data = CHECKED[name]
     uneven = any(arguments.get(key) is not None for key in _SPLITS)
     parts = []
     for key, value in arguments.items():
-        if key in _IGNORED or key in root_only or key in _SPLITS:
+        if key in _IGNORED or key in _SPLITS or (key in _ARRAYS and key != data):
             continue
-        if key in ("x", "out"):
+        if key == data:
             parts.append((key, _array_print(value, with_size=not uneven)))
+        elif isinstance(value, (list, tuple, range)):
+            parts.append((key, str(list(value))))
         else:
             parts.append((key, str(value)))
     return name, tuple(parts)
@@ -85,7 +89,7 @@ def fingerprint(name: str, arguments: Dict[str, Any], rank: int) -> Tuple:
 
 def _text(print_: Tuple) -> str:
     name, parts = print_
-    described = ", ".join(f"{k}: {_array_text(v) if k in ('x', 'out') else v}" for k, v in parts)
+    described = ", ".join(f"{k}: {_array_text(v) if k in _ARRAYS else v}" for k, v in parts)
     return f"{name} with {described}" if parts else name
 
 
@@ -120,10 +124,11 @@ def _checked(comm: Any, name: str, method: Callable) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         if len(args) > len(names) or not set(kwargs) <= set(names):
             return method(*args, **kwargs)   # the call's own TypeError, on every rank alike
+        comm._check_open(name)
         given = dict(zip(names, args), **kwargs)
         arguments = {n: given[n] if n in given else defaults[n] for n in names
                      if n in given or n in defaults}
-        print_ = fingerprint(name, arguments, comm.rank)
+        print_ = fingerprint(name, arguments)
         splits = tuple(arguments.get(key) for key in _SPLITS)
         # Ranks compare a checksum in one small allgather; only on a difference (or when
         # uneven splits are given, which only the whole exchange can cross-check) do they
