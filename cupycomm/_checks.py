@@ -35,16 +35,18 @@ class Checks:
     backends by array type and its open/closed state)."""
 
     # -- arrays -----------------------------------------------------------------------------------
-    def _take(self, name: str, arg: str, x: Any, op: Any = None,
-              collective: bool = True) -> Tuple[Any, Any, Any]:
-        """(backend, array, spec) for argument ``arg``, after every check of the array alone,
-        and of ``op`` for its dtype when ``op`` is given. The spec is the backend's
-        ``reductions[dtype][op]``, or ``movements[dtype]`` without ``op``. For a foreign
-        array, the array is a NumPy/CuPy view of it and the backend maps results back."""
+    def _take(self, name: str, arg: str, x: Any, op: Any = None, collective: bool = True,
+              writes: bool = False) -> Tuple[Any, Any, Any]:
+        """(backend, array, spec) for argument ``arg``, after every check of the array alone
+        (that it is writable too if the call ``writes`` into it), and of ``op`` for its dtype
+        when ``op`` is given. The spec is the backend's ``reductions[dtype][op]``, or
+        ``movements[dtype]`` without ``op``. For a foreign array, the array is a NumPy/CuPy
+        view of it and the backend maps results back."""
         b = self._backends.get(type(x))
         if (b is None or not x.flags.c_contiguous
-                or (b.device_id is not None and x.device.id != b.device_id)):
-            b, x = self._take_slowly(name, arg, x, collective)
+                or (b.device_id is not None and x.device.id != b.device_id)
+                or (writes and b.device_id is None and not x.flags.writeable)):
+            b, x = self._take_slowly(name, arg, x, collective, writes)
         try:
             if op is None:
                 return b, x, b.movements[x.dtype]
@@ -54,7 +56,8 @@ class Checks:
                 raise self._dtype_error(name, arg, x) from None
             raise self._reduction_error(name, arg, b, x, op) from None
 
-    def _take_slowly(self, name: str, arg: Any, x: Any, collective: bool) -> Tuple[Any, Any]:
+    def _take_slowly(self, name: str, arg: Any, x: Any, collective: bool,
+                     writes: bool) -> Tuple[Any, Any]:
         self._check_open(name)
         arg = _arg(arg)
         b = self._backends.get(type(x))
@@ -68,7 +71,7 @@ class Checks:
                                                       f"__array_interface__, "
                                                       f"__cuda_array_interface__ or "
                                                       f"__dlpack__), got {_kind(x)}")
-                inner, native = self._take_slowly(name, arg, native, collective)
+                inner, native = self._take_slowly(name, arg, native, collective, writes)
                 return _foreign.Foreign(inner, native, x), native
             b = self._adopt(name, kind, x, collective)
         if x.dtype not in DTYPES:
@@ -83,6 +86,9 @@ class Checks:
                              f"device {b.device_id}; make that device current "
                              f"(comm.device.use()) before creating arrays, or pass "
                              f"init(device=...)")
+        if writes and b.device_id is None and not x.flags.writeable:   # CuPy has no read-only
+            raise self._fail(ValueError, name, f"{arg} is read-only, but {name} writes its "
+                                               f"result there; pass a writable array")
         return b, x
 
     def _device_module(self) -> Any:
@@ -126,22 +132,25 @@ class Checks:
 
     # -- arguments that must match the input ------------------------------------------------------
     def _check_out(self, name: str, arg: str, b: Any, out: Any, like: Any,
-                   shapes: Sequence[tuple], expected: str = "") -> Any:
-        """``out`` as an array of ``like``'s kind and dtype with one of ``shapes``."""
+                   shapes: Sequence[tuple], expected: str = "", writes: bool = True) -> Any:
+        """``out`` as an array of ``like``'s kind and dtype with one of ``shapes`` (and
+        writable, unless the call only reads it: ``writes=False``)."""
         if (type(out) is type(like) and out.dtype is like.dtype and out.shape in shapes
                 and out.flags.c_contiguous
-                and (b.device_id is None or out.device.id == b.device_id)):
+                and (out.device.id == b.device_id if b.device_id is not None
+                     else not writes or out.flags.writeable)):
             return out
-        out = self._check_kind(name, arg, b, out, like)
+        out = self._check_kind(name, arg, b, out, like, writes)
         if out.shape not in shapes:
             want = " or ".join(str(s) for s in shapes)
             raise self._fail(ValueError, name, f"{arg} has shape {out.shape}, expected "
                                                f"{want}{expected}")
         return out
 
-    def _check_kind(self, name: str, arg: str, b: Any, other: Any, like: Any) -> Any:
-        """``other`` as an array that passes every check and matches ``like``'s backend and
-        dtype (a NumPy/CuPy view if it is foreign)."""
+    def _check_kind(self, name: str, arg: str, b: Any, other: Any, like: Any,
+                    writes: bool = True) -> Any:
+        """``other`` as an array that passes every check (writable if ``writes``) and matches
+        ``like``'s backend and dtype (a NumPy/CuPy view if it is foreign)."""
         if other is None:
             raise self._fail(TypeError, name, f"{arg} must be an array, got None")
         known, native = self._backends.get(type(other)), other
@@ -154,7 +163,7 @@ class Checks:
             raise self._fail(TypeError, name, f"{arg} is {_kind(other)} but the input is "
                                               f"{_kind(like)}; one call takes host arrays or "
                                               f"device arrays, not both")
-        self._take(name, arg, native)
+        self._take(name, arg, native, writes=writes)
         if native.dtype != like.dtype:
             raise self._fail(TypeError, name, f"{arg} has dtype {native.dtype}, expected "
                                               f"{like.dtype} (the input's)")
@@ -162,13 +171,15 @@ class Checks:
             b.remember(native, other)
         return native
 
-    def _check_parts(self, name: str, arg: str, b: Any, parts: Sequence, like: Any) -> List:
-        """``parts`` as a list of ``size`` arrays shaped like ``like``."""
+    def _check_parts(self, name: str, arg: str, b: Any, parts: Sequence, like: Any,
+                     writes: bool = True) -> List:
+        """``parts`` as a list of ``size`` arrays shaped like ``like`` (written, unless
+        ``writes=False``)."""
         if len(parts) != self.size:
             raise self._fail(ValueError, name, f"{arg} is a list of {len(parts)} arrays, "
                                                f"expected {self.size} (one per rank)")
-        return [self._check_out(name, f"{arg}[{j}]", b, part, like, (like.shape,))
-                for j, part in enumerate(parts)]
+        return [self._check_out(name, f"{arg}[{j}]", b, part, like, (like.shape,),
+                                writes=writes) for j, part in enumerate(parts)]
 
     def _check_leading_axis(self, name: str, arg: str, x: Any) -> None:
         if x.ndim == 0 or x.shape[0] % self.size:
@@ -213,6 +224,10 @@ class Checks:
         if b.device_id is None:
             raise self._fail(TypeError, name, "stream= applies to device arrays only; host "
                                               "collectives run on MPI")
+        if not isinstance(getattr(stream, "ptr", None), int):
+            raise self._fail(TypeError, name, f"stream must be a CUDA stream "
+                                              f"(cupy.cuda.Stream or ExternalStream), got "
+                                              f"{_kind(stream)}")
 
     def _check_open(self, name: str) -> None:
         if self._closed:

@@ -22,7 +22,7 @@ from typing import Mapping, Optional
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["ReduceOp", "DtypeRow", "DTYPES", "NCCL_OPS", "find_row", "op_error"]
+__all__ = ["ReduceOp", "DtypeRow", "DTYPES", "NCCL_OPS", "op_error"]
 
 
 class ReduceOp(str, enum.Enum):
@@ -114,14 +114,6 @@ else:
     _ROWS.append(_row(ml_dtypes.bfloat16, _ALL, "BFLOAT16_T", NCCL_BFLOAT16))
 
 DTYPES: Mapping[np.dtype, DtypeRow] = {row.dtype: row for row in _ROWS}
-
-
-def find_row(dtype) -> Optional[DtypeRow]:
-    """The row of ``dtype`` (anything ``numpy.dtype`` accepts), or None if unsupported."""
-    try:
-        return DTYPES.get(np.dtype(dtype))
-    except TypeError:
-        return None
 
 
 def op_error(row: DtypeRow, op) -> str:

@@ -1,12 +1,13 @@
 """One ``with comm.batch():`` block: the calls in it are issued together and complete when
 the block ends (as torch.distributed's batch_isend_irecv).
 
-On the host each call inside starts as a nonblocking MPI request and the end of the block
-waits for all of them; on the device the calls form one NCCL group (groupStart/groupEnd),
-launched at the end of the block, after which the caller's stream waits for it. So a halo
-exchange that posts its sends and receives in any order cannot deadlock. A block holds host
-calls or device calls, not both. Each call inside returns a Work that completes with the
-block.
+The calls inside are checked as they are made and queued; the end of the block issues them
+together. On the host each starts as a nonblocking MPI request and the end of the block waits
+for all of them; on the device they form one NCCL group (groupStart/groupEnd), after which
+the caller's stream waits for it. So a halo exchange that posts its sends and receives in
+any order cannot deadlock, and a block that raises (a bad argument, an error in between)
+issues nothing: no peer is left matching half of it. A block holds host calls or device
+calls, not both. Each call inside returns a Work that completes with the block.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ class Batch:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.kind: Optional[str] = None   # "host" or "device", set by the first call
-        self.works: List[Any] = []
+        self.works: List[Any] = []        # the Work of each call, in the order of the calls
+        self.calls: List[tuple] = []      # what the backend issues for each call at the end
         self.caller: Any = None           # device: the stream the block's calls order after
-        self.unpack: List[tuple] = []     # device: (dst, src) copies to make after the group
 
     def claim(self, kind: str, label: str) -> None:
         """Record that ``label``, a call of ``kind``, joins the block (before it is issued)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from ._checks import _kind
 from .work import Work, WorkGroup
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_coalesced", "Bucket", "Plan", "Staging",
@@ -73,15 +74,15 @@ def _runs(comm: Any, name: str, arrays: Sequence[Any], op: Any,
     backends = comm._backends
     for i, array in enumerate(arrays):
         backend = backends.get(type(array))
-        if backend is None or backend.device_id is not None or not array.flags.c_contiguous:
-            backend, array, _ = comm._take(name, ("arrays", i), array, op)
+        if (backend is None or backend.device_id is not None
+                or not (flags := array.flags).c_contiguous or not flags.writeable):
+            backend, array, _ = comm._take(name, ("arrays", i), array, op, writes=True)
             backend = getattr(backend, "inner", backend)   # a foreign array's own backend
         if backend is not first:
             if first is not None:
-                raise comm._fail(TypeError, name, f"arrays[{i}] is a {type(arrays[i]).__name__}"
-                                                  f" but arrays[0] is a "
-                                                  f"{type(arrays[0]).__name__}; one call takes "
-                                                  f"host arrays or device arrays")
+                raise comm._fail(TypeError, name, f"arrays[{i}] is {_kind(arrays[i])} but "
+                                                  f"arrays[0] is {_kind(arrays[0])}; one call "
+                                                  f"takes host arrays or device arrays")
             first = backend
         natives.append(array)
     runs = runs_by_dtype(natives, limit)
@@ -215,6 +216,8 @@ class Bucket:
 
     def all_reduce(self, op: Any = "sum", async_op: bool = False) -> Union[List[Any], Work]:
         """All-reduce every array of the bucket: one call per dtype. Returns ``arrays``."""
+        for flat in self.flats:   # op against every dtype first: all calls are made, or none
+            self._comm._take("bucket.all_reduce", "op", flat, op)
         return self._each(lambda flat: self._comm.all_reduce(flat, op=op, async_op=async_op))
 
     def broadcast(self, root: int = 0, async_op: bool = False) -> Union[List[Any], Work]:

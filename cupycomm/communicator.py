@@ -201,14 +201,15 @@ class Communicator(Checks):
             x = numpy.array([1, 2]) + 2 * comm.rank   # Rank 0: [1, 2]  Rank 1: [3, 4]
             comm.all_reduce(x, op="max")              # Rank 0: [3, 4]  Rank 1: [3, 4]
         """
-        b, x, spec = self._take("all_reduce", "x", x, op)
+        b, x, spec = self._take("all_reduce", "x", x, op, writes=out is None)
+        if stream is not None:
+            self._check_stream("all_reduce", b, stream)
         if out is None:
             out = x
         elif not (type(out) is type(x) and out.dtype is x.dtype and out.shape == x.shape
-                  and out.flags.c_contiguous and b.device_id is None):   # the common case, inline
+                  and b.device_id is None and (flags := out.flags).c_contiguous
+                  and flags.writeable):   # the common case, inline
             out = self._check_out("all_reduce", "out", b, out, x, (x.shape,))
-        if stream is not None:
-            self._check_stream("all_reduce", b, stream)
         return b.all_reduce(x, out, spec, async_op, stream)
 
     def reduce(self, x: Any, root: int = 0, *, op: Op = _SUM, out: Any = None,
@@ -222,7 +223,9 @@ class Communicator(Checks):
             x = numpy.array([1, 2]) * (comm.rank + 1)
             comm.reduce(x, root=0)   # Rank 0: array([3, 6])   Rank 1: None
         """
-        b, x, spec = self._take("reduce", "x", x, op)
+        b, x, spec = self._take("reduce", "x", x, op, writes=out is None)
+        if stream is not None:
+            self._check_stream("reduce", b, stream)
         self._check_rank("reduce", "root", root)
         if out is not None:   # checked wherever given, so that every rank fails alike
             out = self._check_out("reduce", "out", b, out, x, (x.shape,))
@@ -230,8 +233,6 @@ class Communicator(Checks):
             out = None
         elif out is None:
             out = x
-        if stream is not None:
-            self._check_stream("reduce", b, stream)
         return b.reduce(x, out, spec, root, async_op, stream)
 
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,
@@ -243,10 +244,10 @@ class Communicator(Checks):
             x = numpy.arange(3) if comm.rank == 0 else numpy.empty(3, int)
             comm.broadcast(x, root=0)   # Rank 0: [0, 1, 2]  Rank 1: [0, 1, 2]
         """
-        b, x, spec = self._take("broadcast", "x", x)
-        self._check_rank("broadcast", "root", root)
+        b, x, spec = self._take("broadcast", "x", x, writes=True)
         if stream is not None:
             self._check_stream("broadcast", b, stream)
+        self._check_rank("broadcast", "root", root)
         return b.broadcast(x, spec, root, async_op, stream)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
@@ -266,10 +267,10 @@ class Communicator(Checks):
             self._check_stream("all_gather", b, stream)
         shapes = self._stacked[x.shape]
         if out is None:
-            return b.all_gather(x, b.empty(shapes[0], x.dtype), spec, async_op, stream)
+            return b.all_gather(x, b.empty(shapes[0], x.dtype, stream), spec, async_op, stream)
         if type(out) is not type(x) and isinstance(out, (list, tuple)):
             out = self._check_parts("all_gather", "out", b, out, x)
-            whole = b.empty(shapes[0], x.dtype)
+            whole = b.empty(shapes[0], x.dtype, stream)
             return b.all_gather(x, whole, spec, async_op, stream, list(zip(out, whole)))
         out = self._check_out("all_gather", "out", b, out, x, shapes,
                               " (size parts shaped like x)")
@@ -291,15 +292,15 @@ class Communicator(Checks):
         if isinstance(x, (list, tuple)):
             return self._reduce_scatter_list(x, op, out, async_op, stream)
         b, x, spec = self._take("reduce_scatter", "x", x, op)
+        if stream is not None:
+            self._check_stream("reduce_scatter", b, stream)
         self._check_leading_axis("reduce_scatter", "x", x)
         part = (x.shape[0] // self.size,) + x.shape[1:]
         if out is None:
-            out = b.empty(part, x.dtype)
+            out = b.empty(part, x.dtype, stream)
         else:
             shapes = (part, x.shape[1:]) if x.shape[0] == self.size else (part,)
             out = self._check_out("reduce_scatter", "out", b, out, x, shapes)
-        if stream is not None:
-            self._check_stream("reduce_scatter", b, stream)
         return b.reduce_scatter(x, out, spec, async_op, stream)
 
     def _reduce_scatter_list(self, xs: Sequence, op: Op, out: Any, async_op: bool,
@@ -309,16 +310,17 @@ class Communicator(Checks):
             raise self._fail(ValueError, name, f"x is an empty list, expected {self.size} "
                                                f"arrays (one per rank)")
         b, first, spec = self._take(name, "x[0]", xs[0], op)
-        xs = self._check_parts(name, "x", b, xs, first)
-        if out is None:
-            out = b.empty(first.shape, first.dtype)
-        else:
-            out = self._check_out(name, "out", b, out, first, (first.shape,))
         if stream is not None:
             self._check_stream(name, b, stream)
-        whole = b.empty((self.size,) + first.shape, first.dtype)
-        for j, part in enumerate(xs):
-            whole[j] = part
+        xs = self._check_parts(name, "x", b, xs, first, writes=False)
+        if out is None:
+            out = b.empty(first.shape, first.dtype, stream)
+        else:
+            out = self._check_out(name, "out", b, out, first, (first.shape,))
+        whole = b.empty((self.size,) + first.shape, first.dtype, stream)
+        with stream if stream is not None else contextlib.nullcontext():   # ordered before NCCL
+            for j, part in enumerate(xs):
+                whole[j] = part
         return b.reduce_scatter(whole, out, spec, async_op, stream)
 
     def all_to_all(self, x: Any, *, out: Any = None, in_splits: Optional[Sequence[int]] = None,
@@ -344,7 +346,7 @@ class Communicator(Checks):
         if in_splits is None and out_splits is None:
             self._check_leading_axis("all_to_all", "x", x)
             if out is None:
-                out = b.empty(x.shape, x.dtype)
+                out = b.empty(x.shape, x.dtype, stream)
             else:
                 out = self._check_out("all_to_all", "out", b, out, x, (x.shape,))
             return b.all_to_all(x, out, spec, async_op, stream)
@@ -355,33 +357,51 @@ class Communicator(Checks):
             self._check_leading_axis("all_to_all", "x", x)
             in_splits = [x.shape[0] // self.size] * self.size
         sent = self._check_splits("in_splits", in_splits, x.shape[0])
-        received = (self._exchange_splits(sent) if out_splits is None
-                    else self._check_splits("out_splits", out_splits, None))
-        shape = (sum(received),) + x.shape[1:]
-        if out is None:
-            out = b.empty(shape, x.dtype)
+        if out_splits is not None:
+            received = self._check_splits("out_splits", out_splits, None)
+            shape = (sum(received),) + x.shape[1:]
+            if out is None:
+                out = b.empty(shape, x.dtype, stream)
+            else:
+                out = self._check_out("all_to_all", "out", b, out, x, (shape,),
+                                      " (sum(out_splits) rows)")
         else:
-            out = self._check_out("all_to_all", "out", b, out, x, (shape,),
-                                  " (sum(out_splits) rows)")
+            received, out = self._received_splits(b, x, sent, out, stream)
         row = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
         return b.all_to_all_v(x, out, spec, [n * row for n in sent], [n * row for n in received],
                               async_op, stream)
 
-
-    def _exchange_splits(self, sent: List[int]) -> List[int]:
-        """How many rows each rank sends this one: one small all-to-all of the counts."""
-        counts = np.array(sent, np.int64)
-        received = np.empty_like(counts)
-        self._host.all_to_all(counts, received, None, False, None)
-        return received.tolist()
+    def _received_splits(self, b: Any, x: Any, sent: List[int], out: Any,
+                         stream: Any) -> tuple:
+        """(rows from each rank, out or a new array) when only ``in_splits`` is known: the
+        ranks gather every rank's in_splits and out rows, so that each knows what it
+        receives and every rank finds a wrong ``out`` alike, before any data moves."""
+        rows = -1
+        if out is not None:
+            out = self._check_kind("all_to_all", "out", b, out, x)
+            if out.ndim == 0 or out.shape[1:] != x.shape[1:]:
+                raise self._fail(ValueError, "all_to_all", f"out has shape {out.shape}, "
+                                                           f"expected (rows, *{x.shape[1:]})")
+            rows = out.shape[0]
+        table = self._host.gather_counts(np.array(sent + [rows], np.int64))
+        expected = table[:, :-1].sum(axis=0)   # rank j receives column j
+        for j, (given, want) in enumerate(zip(table[:, -1].tolist(), expected.tolist())):
+            if given not in (-1, want):
+                raise self._fail(ValueError, "all_to_all", f"out of rank {j} has {given} rows, "
+                                                           f"but the ranks' in_splits send it "
+                                                           f"{want}")
+        received = table[:, self.rank].tolist()
+        if out is None:
+            out = b.empty((sum(received),) + x.shape[1:], x.dtype, stream)
+        return received, out
 
     def scatter(self, x: Any, root: int = 0, *, out: Any, async_op: bool = False,
                 stream: Any = None) -> Any:
         """Give rank ``j`` part ``j`` of root's ``x`` (leading axis); returns ``out``.
 
-        ``x`` is only read on the root (pass None elsewhere; where given it is checked, so
-        that a bad ``x`` fails on every rank alike); ``out``, the part, is required on
-        every rank.
+        ``x`` is only read on the root (pass None elsewhere, or an array of its shape and
+        dtype: where given it is checked, so that a bad ``x`` fails on every rank alike);
+        ``out``, the part, is required on every rank.
 
         Example (2 ranks)::
 
@@ -389,13 +409,13 @@ class Communicator(Checks):
             comm.scatter(x, root=0, out=numpy.empty(2, int))
             # Rank 0: array([1, 2])   Rank 1: array([3, 4])
         """
-        b, out, spec = self._take("scatter", "out", out)
+        b, out, spec = self._take("scatter", "out", out, writes=True)
+        if stream is not None:
+            self._check_stream("scatter", b, stream)
         self._check_rank("scatter", "root", root)
         if x is not None or self.rank == root:   # checked wherever given: alike on every rank
             x = self._check_out("scatter", "x", b, x, out, self._stacked[out.shape],
-                                " (size parts shaped like out)")
-        if stream is not None:
-            self._check_stream("scatter", b, stream)
+                                " (size parts shaped like out)", writes=False)
         return b.scatter(x, out, spec, root, async_op, stream)
 
     def gather(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
@@ -411,6 +431,8 @@ class Communicator(Checks):
             # Rank 0: array([[0], [1]])   Rank 1: None
         """
         b, x, spec = self._take("gather", "x", x)
+        if stream is not None:
+            self._check_stream("gather", b, stream)
         self._check_rank("gather", "root", root)
         shapes = self._stacked[x.shape]
         if out is not None:   # checked wherever given, so that every rank fails alike
@@ -419,9 +441,7 @@ class Communicator(Checks):
         if self.rank != root:
             out = None
         elif out is None:
-            out = b.empty(shapes[0], x.dtype)
-        if stream is not None:
-            self._check_stream("gather", b, stream)
+            out = b.empty(shapes[0], x.dtype, stream)
         return b.gather(x, out, spec, root, async_op, stream)
 
     # -- point to point ---------------------------------------------------------------------------
@@ -438,7 +458,7 @@ class Communicator(Checks):
         """Receive into ``buf`` what rank ``src`` sent; returns ``buf``. Its size must match
         the sent array's."""
         self._check_peer("recv", "src", src)
-        b, buf, spec = self._take("recv", "buf", buf, collective=False)
+        b, buf, spec = self._take("recv", "buf", buf, collective=False, writes=True)
         if stream is not None:
             self._check_stream("recv", b, stream)
         return b.recv(buf, spec, src, async_op, stream)
@@ -458,9 +478,9 @@ class Communicator(Checks):
         self._check_rank("sendrecv", "dst", dst)
         self._check_rank("sendrecv", "src", src)
         b, x, spec = self._take("sendrecv", "x", x, collective=False)
-        buf = self._check_kind("sendrecv", "buf", b, buf, x)
         if stream is not None:
             self._check_stream("sendrecv", b, stream)
+        buf = self._check_kind("sendrecv", "buf", b, buf, x)
         return b.sendrecv(x, spec, dst, buf, src, async_op, stream)
 
     def isend(self, x: Any, dst: int, *, stream: Any = None) -> Work:
@@ -475,10 +495,11 @@ class Communicator(Checks):
     def batch(self) -> Iterator[Batch]:
         """Issue the calls inside the block together; they complete when it ends.
 
-        Host: each call starts a nonblocking MPI request, the end of the block waits for all.
-        Device: the calls form one NCCL group, launched at the end of the block, and the
-        caller's stream waits for it. So sends and receives to both neighbours, in any order,
-        cannot deadlock. Every call inside returns a Work. See :mod:`cupycomm.batch`.
+        Each call is checked as it is made and queued. At the end of the block, on the host
+        the calls start as nonblocking MPI requests and the block waits for all; on the
+        device they form one NCCL group and the caller's stream waits for it. So sends and
+        receives to both neighbours, in any order, cannot deadlock; a block that raises
+        issues nothing. Every call inside returns a Work. See :mod:`cupycomm.batch`.
 
         Example (a ring, any number of ranks)::
 
@@ -496,12 +517,14 @@ class Communicator(Checks):
         for backend in backends:
             backend.begin_group(group)
         self._batch = group
+        cancel = True   # unless the block ends without an exception
         try:
             yield group
+            cancel = False
         finally:
             self._batch = None
             for backend in backends:
-                backend.end_group(group)
+                backend.end_group(group, cancel)
 
 
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
@@ -575,12 +598,14 @@ class Communicator(Checks):
             half.rank, half.size                # Rank 0: (0, 2)  Rank 1: (0, 2)  Rank 2: (1, 2)
         """
         self._check_open("split")
-        if color is not None and (type(color) is not int or color < 0):
+        if color is not None and (isinstance(color, bool)
+                                  or not isinstance(color, (int, np.integer)) or color < 0):
             raise self._fail(ValueError, "split", f"color must be an int >= 0 or None, got "
                                                   f"{color!r}")
-        if key is not None and type(key) is not int:
+        if key is not None and (isinstance(key, bool) or not isinstance(key, (int, np.integer))):
             raise self._fail(TypeError, "split", f"key must be an int or None, got {key!r}")
-        return self._subgroup(color, self.rank if key is None else key, f"split({color})")
+        return self._subgroup(None if color is None else int(color),
+                              self.rank if key is None else int(key), f"split({color})")
 
     def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
         """A communicator of ``ranks`` (ordered by rank), None on the other ranks. Collective:
@@ -624,13 +649,15 @@ class Communicator(Checks):
             return
         self._closed = True
         self._backends = {}
-        unwatch(self._tracker)
-        if self._tracker.board is not None:
-            self._tracker.board.leave()
-        try:
+        try:   # calls still in flight are waited for while the watchdog still looks
+            if not MPI.Is_finalized():
+                self._host.close()
             if self._nccl is not None:
                 self._nccl.close()
         finally:
+            unwatch(self._tracker)
+            if self._tracker.board is not None:
+                self._tracker.board.leave()
             if not MPI.Is_finalized():
                 if self._objects is not None:
                     self._objects.Free()
@@ -690,18 +717,20 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
             sub.all_reduce(x)
     """
     global _default
-    if timeout is None:
-        timeout = _env_float("CUPYCOMM_TIMEOUT", DEFAULT_TIMEOUT)
-    elif not timeout > 0:
+    if timeout is not None and not timeout > 0:
         raise ValueError(f"init: timeout must be a positive number of seconds, got {timeout!r}")
     if device is not None and (type(device) is not int or device < 0):
         raise ValueError(f"init: device must be a CUDA device number >= 0, got {device!r}")
     if mpi_comm is None and _default is not None and not _default.closed:
-        if device is not None and device != _default._device_choice:
-            raise ValueError(f"init: already initialized with device="
-                             f"{_default._device_choice!r}, now asked for device={device!r}; "
-                             f"close() the communicator first")
+        asked = {"device": (device, _default._device_choice),
+                 "timeout": (timeout, _default.timeout), "debug": (debug, _default.debug)}
+        for name, (wanted, current) in asked.items():
+            if wanted is not None and wanted != current:
+                raise ValueError(f"init: already initialized with {name}={current!r}, now "
+                                 f"asked for {name}={wanted!r}; close() the communicator first")
         return _default
+    if timeout is None:
+        timeout = _env_float("CUPYCOMM_TIMEOUT", DEFAULT_TIMEOUT)
     if debug is None:
         debug = _bootstrap.env_flag("CUPYCOMM_DEBUG", False)
     if _bootstrap.abort_enabled(abort_on_exception):

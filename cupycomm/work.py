@@ -40,6 +40,11 @@ def poll_until(done: Callable[[], bool], timeout: Optional[float],
     return True
 
 
+def _inside_batch(label: str) -> RuntimeError:
+    return RuntimeError(f"{label}: wait() inside its batch() block; the calls of a block "
+                        f"start and complete when the block ends")
+
+
 class Work(abc.ABC):
     """Handle of an asynchronous collective. See the module docstring for the semantics."""
 
@@ -96,20 +101,23 @@ class Work(abc.ABC):
 
 
 class HostWork(Work):
-    """Work of the MPI backend: nonblocking MPI requests, then an optional finishing step."""
+    """Work of the MPI backend: nonblocking MPI requests, then an optional finishing step.
+    ``requests`` is None for a call queued in a batch() block that has not ended."""
 
     __slots__ = ("_requests", "_finish")
 
-    def __init__(self, requests: list, result: Any, keep: Sequence, owner: Any, label: str,
-                 finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, requests: Optional[list], result: Any, keep: Sequence, owner: Any,
+                 label: str, finish: Optional[Callable[[], None]] = None) -> None:
         super().__init__(result, keep, owner, label)
         self._requests = requests
         self._finish = finish
 
     def _test(self) -> bool:
-        return self._owner.test_all(self._requests)
+        return self._requests is not None and self._owner.test_all(self._requests)
 
     def _wait(self) -> None:
+        if self._requests is None:
+            raise _inside_batch(self._label)
         self._owner.wait_all(self._requests, self._label)
         self._complete()
 
@@ -135,8 +143,7 @@ class DeviceWork(Work):
 
     def _wait(self) -> None:
         if self._event is None:
-            raise RuntimeError(f"{self._label}: wait() inside its batch() block; the calls of "
-                               f"a block complete when the block ends")
+            raise _inside_batch(self._label)
         # Order the caller's stream after the collective; the host does not block.
         self._owner.stream_wait(self._event)
         if self._event.done:

@@ -95,13 +95,32 @@ def test_host_and_device_calls_cannot_share_a_block():
     with STANDIN.comm() as comm:
         comm.init_device()
         right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-        host_buf = np.empty(2)
+        host_buf = np.full(2, -1.0)
         with pytest.raises(TypeError, match="batch: send on device arrays cannot join a block "
                                             "of host calls"):
             with comm.batch():
                 comm.sendrecv(np.full(2, float(comm.rank)), right, host_buf, left)
                 comm.isend(nccl_standin.asarray(np.ones(2)), right)
-        np.testing.assert_array_equal(host_buf, np.full(2, float(left)))   # the host part ran
+        np.testing.assert_array_equal(host_buf, np.full(2, -1.0))   # a block that raised: nothing ran
+        with comm.batch():   # and the communicator is as usable as before
+            comm.sendrecv(np.full(2, float(comm.rank)), right, host_buf, left)
+        np.testing.assert_array_equal(host_buf, np.full(2, float(left)))
+
+
+def test_a_block_that_raises_issues_nothing(lib, comm):
+    """Every rank raises at the same bad call: nothing of the block was issued, so no rank
+    waits for a peer's half of it, and the next call works."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    buf = lib.array(np.full(3, -1.0))
+    with pytest.raises(ValueError, match=f"send: dst={comm.size} is not a rank"):
+        with comm.batch():
+            comm.irecv(buf, left)
+            comm.isend(lib.array(np.ones(3)), comm.size)
+    assert_equal(lib, buf, np.full(3, -1.0))
+    with comm.batch():
+        comm.irecv(buf, left)
+        comm.isend(lib.array(np.full(3, float(comm.rank))), right)
+    assert_equal(lib, buf, np.full(3, float(left)))
 
 
 def test_device_block_refuses_stream_and_early_wait():

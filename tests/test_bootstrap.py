@@ -64,13 +64,16 @@ def test_timeout_from_the_environment(monkeypatch):
         cupycomm.init(MPI.COMM_WORLD)
 
 
-def test_default_init_refuses_a_different_device():
+def test_default_init_refuses_different_settings():
     cupycomm.init().close()
-    comm = cupycomm.init(device=0)
+    comm = cupycomm.init(device=0, timeout=30.0)
     try:
-        with pytest.raises(ValueError, match="already initialized with device=0, now asked "
-                                             "for device=1"):
-            cupycomm.init(device=1)
+        assert cupycomm.init() is comm and cupycomm.init(timeout=30.0, device=0) is comm
+        for asked, said in [({"device": 1}, "device=0, now asked for device=1"),
+                            ({"timeout": 5.0}, "timeout=30.0, now asked for timeout=5.0"),
+                            ({"debug": True}, "debug=False, now asked for debug=True")]:
+            with pytest.raises(ValueError, match=f"already initialized with {said}"):
+                cupycomm.init(**asked)
     finally:
         comm.close()
 

@@ -74,7 +74,8 @@ def test_coalesced_empty_list_does_nothing(lib, comm):
     ("bucket-zero", ValueError, "bucket_bytes must be a positive int, got 0"),
     ("not-a-list", TypeError, "arrays must be a list of arrays, got ndarray"),
     ("int-avg", ValueError, r"op='avg' is not defined for int32"),
-    ("mixed", TypeError, r"arrays\[1\] is a .* but arrays\[0\] is a .*host arrays or device"),
+    ("mixed", TypeError, r"arrays\[1\] is (numpy|nccl_standin)\.ndarray but arrays\[0\] is "
+                         r"(numpy|nccl_standin)\.ndarray; one call takes host arrays or device"),
 ])
 def test_coalesced_rejects_bad_input_before_communication(lib, comm, case, kind, pattern):
     import nccl_standin
@@ -113,3 +114,14 @@ def test_bucket_average(lib, comm):
     bucket.all_reduce(op="avg")
     assert_equal(lib, bucket.arrays[0], np.full(3, (comm.size + 1) / 2), "avg")
     assert_equal(lib, bucket.arrays[1], np.ones((2, 2)), "avg")
+
+
+def test_bucket_checks_the_op_against_every_dtype_before_any_call(lib, comm):
+    bucket = comm.bucket([lib.array(np.full(2, comm.rank + 1.0)), lib.array(np.ones(2, np.int32))])
+    seq = comm._tracker.seq
+    with pytest.raises(ValueError, match=r"bucket.all_reduce: op='avg' is not defined for int32"):
+        bucket.all_reduce(op="avg")
+    assert comm._tracker.seq == seq, "communication started before the error"
+    assert_equal(lib, bucket.arrays[0], np.full(2, comm.rank + 1.0))   # not averaged
+    bucket.all_reduce(op="max")
+    assert_equal(lib, bucket.arrays[0], np.full(2, float(comm.size)))

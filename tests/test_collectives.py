@@ -271,7 +271,8 @@ def uneven_rows(sender, receiver):
     return (sender + 2 * receiver) % 3
 
 
-@pytest.mark.parametrize("mode", ["given", "exchanged", "out", "async"])
+@pytest.mark.parametrize("mode", ["given", "exchanged", "out", "exchanged-out", "async",
+                                  "batch"])
 @pytest.mark.parametrize("dtype", [np.float32, np.int16, np.complex128, np.bool_], ids=str)
 def test_all_to_all_uneven(lib, comm, dtype, mode):
     in_splits = [uneven_rows(comm.rank, j) for j in range(comm.size)]
@@ -282,9 +283,16 @@ def test_all_to_all_uneven(lib, comm, dtype, mode):
     starts = lambda r: np.cumsum([0] + [uneven_rows(r, j) for j in range(comm.size)])
     expected = np.concatenate([inputs[i][starts(i)[comm.rank]:starts(i)[comm.rank + 1]]
                                for i in range(comm.size)]).reshape(-1, 2)
-    out = lib.empty(expected.shape, dtype) if mode == "out" else None
-    result = comm.all_to_all(x, in_splits=in_splits, out=out, async_op=mode == "async",
-                             out_splits=None if mode == "exchanged" else out_splits)
+    out = lib.empty(expected.shape, dtype) if mode.endswith("out") else None
+    call = lambda: comm.all_to_all(x, in_splits=in_splits, out=out, async_op=mode == "async",
+                                   out_splits=out_splits if mode in ("given", "out", "async")
+                                   else None)
+    if mode == "batch":   # the splits are exchanged at once; the data moves with the block
+        with comm.batch():
+            work = call()
+        result = work.wait()
+    else:
+        result = call()
     if mode == "async":
         result = result.wait()
     if out is not None:

@@ -106,3 +106,12 @@ def test_device_subgroup_gets_its_nccl_communicator(monkeypatch, version, eager)
         assert_equal(STANDIN, total,
                      np.array([sum(members_of(comm, lambda r: r % 2))], np.int64))
         half.close()
+
+
+def test_split_takes_numpy_integers(comm):
+    half = comm.split(np.int64(comm.rank % 2), key=np.int32(-comm.rank))
+    assert half.size == len(range(comm.rank % 2, comm.size, 2))
+    assert half.rank == half.size - 1 - comm.rank // 2   # ordered by the negated rank
+    half.close()
+    with pytest.raises(ValueError, match=r"split: color must be an int >= 0 or None, got True"):
+        comm.split(True)

@@ -6,7 +6,7 @@ import pytest
 
 import cupycomm
 import nccl_standin
-from arrays import STANDIN, all_inputs, assert_equal, rank_input
+from arrays import HOST, STANDIN, all_inputs, assert_equal, rank_input
 
 F8 = np.float64
 
@@ -134,3 +134,80 @@ def test_array_on_another_device(monkeypatch):
         here = nccl_standin.asarray(np.ones(3))
         assert_equal(STANDIN, comm.all_reduce(here), np.full(3, float(comm.size)))
 
+
+
+def read_only(data):
+    array = np.array(data)
+    array.flags.writeable = False
+    return array
+
+
+READ_ONLY_CASES = [
+    ("all_reduce", "x", lambda c: c.all_reduce(read_only(np.ones(4)))),
+    ("all_reduce", "out", lambda c: c.all_reduce(np.ones(4), out=read_only(np.ones(4)))),
+    ("reduce", "x", lambda c: c.reduce(read_only(np.ones(4)), root=0)),
+    ("broadcast", "x", lambda c: c.broadcast(read_only(np.ones(4)), root=0)),
+    ("all_gather", "out", lambda c: c.all_gather(np.ones(2), out=read_only(np.ones(2 * c.size)))),
+    ("all_gather", r"out\[0\]", lambda c: c.all_gather(
+        np.ones(2), out=[read_only(np.ones(2))] + [np.ones(2)] * (c.size - 1))),
+    ("reduce_scatter", "out", lambda c: c.reduce_scatter(np.ones(c.size),
+                                                         out=read_only(np.ones(1)))),
+    ("all_to_all", "out", lambda c: c.all_to_all(np.ones(c.size), out=read_only(np.ones(c.size)))),
+    ("all_to_all", "out", lambda c: c.all_to_all(np.ones(c.size), in_splits=[1] * c.size,
+                                                  out=read_only(np.ones(c.size)))),
+    ("scatter", "out", lambda c: c.scatter(np.ones(c.size), 0, out=read_only(np.ones(1)))),
+    ("gather", "out", lambda c: c.gather(np.ones(1), 0, out=read_only(np.ones(c.size)))),
+    ("recv", "buf", lambda c: c.recv(read_only(np.ones(2)), (c.rank + 1) % c.size)),
+    ("sendrecv", "buf", lambda c: c.sendrecv(np.ones(2), 0, read_only(np.ones(2)), 0)),
+    ("all_reduce_coalesced", r"arrays\[1\]", lambda c: c.all_reduce_coalesced(
+        [np.ones(2), read_only(np.ones(2))])),
+]
+
+
+@pytest.mark.parametrize("name,arg,call", READ_ONLY_CASES,
+                         ids=[f"{n}-{a}-{i}" for i, (n, a, _) in enumerate(READ_ONLY_CASES)])
+def test_read_only_results_are_refused_on_every_rank(name, arg, call):
+    """Where a call writes (in place, out, buf), a read-only NumPy array is refused on every
+    rank alike; MPI would write into it on some ranks (not a broadcast's root) and fail on
+    others."""
+    if name in ("recv",) and cupycomm.communicator.MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("recv needs 2 ranks (a rank cannot receive from itself); ran with 1")
+    with HOST.comm() as comm:
+        seq = comm._tracker.seq
+        with pytest.raises(ValueError, match=f"{name}: {arg} is read-only, but {name} writes"):
+            call(comm)
+        assert comm._tracker.seq == seq, "communication started before the error"
+        assert_equal(HOST, comm.all_reduce(np.ones(2)), np.full(2, float(comm.size)))
+
+
+def test_read_only_inputs_are_accepted(lib, comm):
+    x = read_only(rank_input(comm.rank, (2,), F8))
+    out = lib.empty((2,), F8)
+    if lib.is_device:
+        x = lib.array(x)
+    assert_equal(lib, comm.all_reduce(x, out=out), all_inputs(comm.size, (2,), F8).sum(0))
+    assert_equal(lib, comm.all_gather(x), all_inputs(comm.size, (2,), F8))
+
+
+def test_stream_must_be_a_stream(dcomm):
+    x = nccl_standin.asarray(np.ones(2))
+    for bad in ("abc", 7, object()):
+        with pytest.raises(TypeError, match=r"all_reduce: stream must be a CUDA stream "
+                                            r"\(cupy.cuda.Stream or ExternalStream\), got"):
+            dcomm.all_reduce(x, stream=bad)
+    assert_equal(STANDIN, dcomm.all_reduce(x, stream=nccl_standin.Stream()),
+                 np.full(2, float(dcomm.size)))
+
+
+def test_uneven_all_to_all_refuses_a_wrong_out_on_every_rank(lib, comm):
+    """Only in_splits given: each rank learns what it receives from the others, so a wrong
+    out on one rank is seen by all of them before any data moves."""
+    last = comm.size - 1
+    rows = comm.size   # every rank sends one row to each rank: each receives comm.size rows
+    out = lib.empty((rows + (comm.rank == last),), F8)
+    with pytest.raises(ValueError, match=rf"all_to_all: out of rank {last} has {rows + 1} rows, "
+                                         rf"but the ranks' in_splits send it {rows}"):
+        comm.all_to_all(lib.array(np.ones(comm.size)), in_splits=[1] * comm.size, out=out)
+    x = lib.array(np.full(comm.size, float(comm.rank)))
+    got = comm.all_to_all(x, in_splits=[1] * comm.size, out=lib.empty((rows,), F8))
+    assert_equal(lib, got, np.arange(comm.size, dtype=F8))

@@ -7,6 +7,7 @@ followed by a division on the receiving ranks.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Any, Callable, Optional
 
@@ -94,19 +95,32 @@ class MPIBackend:
         self._rank = comm.Get_rank()
         self._tracker = tracker   # counts this rank's collectives, for the watchdog
         self._group: Any = None   # the open batch() block, if any
+        # Started nonblocking calls, oldest first: they keep their arrays (and requests)
+        # alive even if the caller drops the Work, since MPI writes into them until done.
+        self._inflight: collections.deque = collections.deque()
 
     # -- the blocking and the nonblocking MPI call, and what finishes one -------------------------
     def _start(self, call: Callable, args: tuple, result: Any, keep: tuple, label: str,
                finish: Optional[Callable[[], None]] = None) -> HostWork:
-        """Start the nonblocking ``call``: for async_op, and for every call in a batch()."""
+        """Start the nonblocking ``call`` for async_op; inside a batch() block, queue it to
+        start when the block ends."""
+        self._tracker.seq += 1
         group = self._group
         if group is not None:
             group.claim("host", label)
-        self._tracker.seq += 1
-        work = HostWork([call(*args)], result, keep, self, label, finish)
-        if group is not None:
+            work = HostWork(None, result, keep, self, label, finish)
             group.works.append(work)
+            group.calls.append((call, args))
+            return work
+        work = HostWork([call(*args)], result, keep, self, label, finish)
+        self._keep_until_done(work)
         return work
+
+    def _keep_until_done(self, work: HostWork) -> None:
+        inflight = self._inflight
+        while inflight and inflight[0].is_completed():
+            inflight.popleft()
+        inflight.append(work)
 
     def _block(self, label: str, call: Callable, *args: Any) -> None:
         """Make the blocking MPI ``call``, its name in the tracker's ``busy`` while it lasts
@@ -264,20 +278,32 @@ class MPIBackend:
         self._block("barrier", self._comm.Barrier)
         return None
 
-    # -- batch() blocks: every call inside is nonblocking; the end of the block waits -------------
+    def gather_counts(self, counts: np.ndarray) -> np.ndarray:
+        """Every rank's ``counts`` (1-d int64), row ``i`` from rank ``i``. Blocking, also
+        inside a batch() block: it sizes a call that is yet to be issued."""
+        table = np.empty((self._size, counts.size), counts.dtype)
+        self._block("all_to_all", self._comm.Allgather, counts, table)
+        return table
+
+    # -- batch() blocks: the calls start together when the block ends, which waits for them ------
     def begin_group(self, group: Any) -> None:
         self._group = group
 
-    def end_group(self, group: Any) -> None:
+    def end_group(self, group: Any, cancel: bool) -> None:
+        """Start the block's calls and wait for all of them; if the block raised
+        (``cancel``), start none: no rank is left matching half a block."""
         self._group = None
-        if group.kind == "host":
-            requests = [request for work in group.works for request in work._requests]
-            self.wait_all(requests, "batch")
-            for work in group.works:
-                work._complete()
+        if group.kind != "host" or cancel:
+            return
+        for work, (call, args) in zip(group.works, group.calls):
+            work._requests = [call(*args)]
+            self._keep_until_done(work)
+        self.wait_all([work._requests[0] for work in group.works], "batch")
+        for work in group.works:
+            work._complete()
 
     # -- memory, Work support, lifetime -----------------------------------------------------------
-    def empty(self, shape: tuple, dtype: Any) -> np.ndarray:
+    def empty(self, shape: tuple, dtype: Any, stream: Any = None) -> np.ndarray:
         return np.empty(shape, dtype)
 
     def test_all(self, requests: list) -> bool:
@@ -298,4 +324,10 @@ class MPIBackend:
         self._tracker.expired(label, timeout)
 
     def close(self) -> None:
-        """Nothing to free: the communicator owns the MPI communicator."""
+        """Wait for the started calls whose Work was dropped (MPI may still write into their
+        arrays); the communicator owns, and frees, the MPI communicator."""
+        pending = [request for work in self._inflight if not work._done
+                   for request in work._requests]
+        self._inflight.clear()
+        if pending:
+            self.wait_all(pending, "close")

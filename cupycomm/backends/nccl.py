@@ -132,22 +132,16 @@ class NcclBackend:
 
     def _launch_grouped(self, call, args: tuple, result, keep: tuple, label: str,
                         stream: Any, unpack) -> DeviceWork:
-        """A call inside a batch() block: part of one NCCL group on the comm stream."""
+        """A call inside a batch() block: queued, to be part of one NCCL group on the comm
+        stream when the block ends."""
         group = self._group
         if stream is not None:
             raise TypeError(f"{label}: stream= cannot be used inside a batch() block (the "
                             f"block runs on the comm stream) on rank {self._rank}")
         group.claim("device", label)
-        if group.caller is None:   # the block's first device call: order, then open the group
+        if group.caller is None:   # the stream whose earlier work the block must see
             group.caller = self._current_stream()
-            self._ready.record(group.caller)
-            self._stream.wait_event(self._ready)
-            self._nccl_module.groupStart()
-        try:
-            call(*args, self._stream.ptr)
-        except self._raw_error as error:
-            raise self._failed(label, error) from error
-        group.unpack.extend(unpack)   # copied out after the group, on the comm stream
+        group.calls.append((call, args, unpack))
         work = DeviceWork(None, result, keep, self, label)   # its event comes with the block's end
         group.works.append(work)
         return work
@@ -155,22 +149,32 @@ class NcclBackend:
     def begin_group(self, group: Any) -> None:
         self._group = group
 
-    def end_group(self, group: Any) -> None:
-        """Launch the block's NCCL group; the caller's stream waits for it."""
+    def end_group(self, group: Any, cancel: bool) -> None:
+        """Launch the block's calls as one NCCL group after the caller's earlier work, then
+        make the caller's stream wait for it. If the block raised (``cancel``), launch none."""
         self._group = None
-        if group.kind != "device" or group.caller is None:
+        if group.kind != "device" or cancel:
             return
+        stream = self._stream
+        self._ready.record(group.caller)
+        stream.wait_event(self._ready)
+        nccl = self._nccl_module
         try:
-            self._nccl_module.groupEnd()
+            nccl.groupStart()
+            try:
+                for call, args, _ in group.calls:
+                    call(*args, stream.ptr)
+            finally:
+                nccl.groupEnd()
         except self._raw_error as error:
             raise self._failed("batch", error) from error
-        if group.unpack:
-            with self._stream:
-                for dst, src in group.unpack:
+        with stream:   # all_gather's list parts, copied out after the group
+            for _, _, unpack in group.calls:
+                for dst, src in unpack:
                     dst[...] = src
         with self._device:
             event = self._new_event(disable_timing=True)
-        event.record(self._stream)
+        event.record(stream)
         group.caller.wait_event(event)
         for work in group.works:
             work._event = event
@@ -289,9 +293,14 @@ class NcclBackend:
                               "split")
 
     # -- memory, Work support, faults, lifetime ---------------------------------------------------
-    def empty(self, shape: tuple, dtype: Any) -> Any:
+    def empty(self, shape: tuple, dtype: Any, stream: Any = None) -> Any:
+        """A new array; with ``stream``, from that stream's memory pool, so that the memory
+        is only reused after what ``stream`` does with it."""
         with self._device:
-            return self._cupy.empty(shape, dtype)
+            if stream is None:
+                return self._cupy.empty(shape, dtype)
+            with stream:
+                return self._cupy.empty(shape, dtype)
 
     def stream_wait(self, event: Any) -> None:
         self._current_stream().wait_event(event)
