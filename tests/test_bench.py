@@ -2,7 +2,7 @@
 end-to-end runs in this process on every rank (host, the NCCL stand-in, and a real GPU where
 there is one). Behaviour only: no assertion depends on how fast anything ran."""
 import csv
-import io
+import functools
 import json
 import os
 import subprocess
@@ -312,6 +312,22 @@ def test_run_shows_progress_on_rank_0_only(monkeypatch, capfd):
         assert "cupycomm.bench: all_reduce 8 B in-place [2/8]" in shown
     else:
         assert shown == ""
+
+
+@pytest.mark.parametrize("name", [row.name for row in TABLE])
+def test_timed_calls_pass_no_keywords_through_a_partial(name):
+    """functools.partial with keywords builds a dict on every call (about 0.2 µs): a timed
+    call must not pay that unless every implementation does; cupycomm's calls are lambdas."""
+    opts = parse_args([name, "--backend", "host"])
+    row = ROWS[name]
+    with cupycomm.init(WORLD) as comm:
+        setup = host_setup(comm, compare=True)
+        for in_place in row.modes:
+            case = _case(row, 64, in_place, opts, comm, setup.arrays)
+            for impl in setup.impls:
+                run = impl.runner(row, case)
+                assert callable(run), (impl.label, run)
+                assert not (isinstance(run, functools.partial) and run.keywords), impl.label
 
 
 # -- the check finds a wrong result ---------------------------------------------------------------
