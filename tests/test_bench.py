@@ -390,6 +390,10 @@ def test_host_run_prints_on_rank_0_and_writes_every_row(out_dir, capfd):
     first = records[0]
     assert first["world_size"] == str(WORLD.Get_size())
     assert first["command"] == f"cupycomm.bench.main({argv!r})"   # what ran, not a guess
+    if (ROOT / ".git").exists():   # which commit ran, and whether the package differed from it
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        assert first["cupycomm_source"] in (head, f"{head}+changes")
     for key in ("date", "machine", "cupycomm", "numpy", "mpi4py", "mpi_library"):
         assert first[key]
     assert {r["impl"] for r in records} == {"cupycomm", "mpi4py"}

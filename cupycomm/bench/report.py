@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -220,6 +221,23 @@ def load_average() -> str:
     return " ".join(f"{load:.2f}" for load in os.getloadavg())
 
 
+def source() -> str:
+    """Which cupycomm ran: the git commit of its checkout, with "+changes" when its files
+    differ from that commit (then the numbers are of code no commit holds); "" outside a
+    checkout or without git."""
+    package = os.path.dirname(os.path.abspath(cupycomm.__file__))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", package, *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", package)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{commit}+changes" if changed else commit
+
+
 def environment(world_size: int, command: str, extra: Dict[str, str]) -> Dict[str, Any]:
     """The run's metadata: date, the command as run (see :func:`cupycomm.bench.run.
     command_line`), machine, versions, world size (plus ``extra``)."""
@@ -233,6 +251,7 @@ def environment(world_size: int, command: str, extra: Dict[str, str]) -> Dict[st
         "load_average": load_average(),
         "python": platform.python_version(),
         "cupycomm": cupycomm.__version__,
+        "cupycomm_source": source(),
         "numpy": np.__version__,
         "mpi4py": sys.modules["mpi4py"].__version__,
         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),

@@ -170,7 +170,9 @@ def _header(meta: Dict[str, Any], setup: Setup, opts: Options) -> List[str]:
     lines = [f"# cupycomm.bench: {meta['command']}",
              f"# {meta['date']} on {meta['machine']} ({meta['cpu']}; {meta['os']}); load "
              f"average {meta['load_average']}",
-             f"# cupycomm {meta['cupycomm']}, Python {meta['python']}, NumPy {meta['numpy']}, "
+             f"# cupycomm {meta['cupycomm']}"
+             + (f" (source {meta['cupycomm_source']})" if meta["cupycomm_source"] else "")
+             + f", Python {meta['python']}, NumPy {meta['numpy']}, "
              f"mpi4py {meta['mpi4py']}, {meta['mpi_library']}"
              + "".join(f", {k} {v}" for k, v in setup.versions.items()),
              f"# {meta['world_size']} ranks, backend {setup.backend}, "
