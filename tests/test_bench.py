@@ -223,6 +223,20 @@ def test_median_ratio_and_added_time_against_the_first():
     assert (raw, ratio, added) == (1.0, 2.5, 1.5)
 
 
+def test_readme_options_table_names_every_collective_and_option():
+    from cupycomm.bench.cli import _parser
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Benchmarks"):readme.index("### Latest CPU results")]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    (names,) = [line for line in rows if line.startswith("| `collective ...`")]
+    assert [row.name for row in TABLE] == names.split("`")[3].split()
+    table = "\n".join(rows)
+    for action in _parser(0)._actions:
+        if action.option_strings and action.dest != "help":
+            assert any(f"`{option}" in table or f" {option}" in table
+                       for option in action.option_strings), action.option_strings
+
+
 # -- the table and the summary --------------------------------------------------------------------
 def _row(size, impl, mode, time_us, ratio=None, added=None, wrong=0):
     return Row("all_reduce", impl, mode, size, size // 4, "float32", "sum", -1, time_us,
