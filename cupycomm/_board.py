@@ -1,10 +1,11 @@
 """A status board in node-local shared memory: what each rank of a communicator on this node
 is doing, readable by its peers without any MPI call (so it works while they are blocked).
 
-One row per rank of the communicator on this node: its rank, pid, whether it has left
-(its interpreter is exiting), how many collectives it has issued, and which collective it is
-blocked in. Each rank's watchdog thread writes its own row and reads the others. Ranks on
-other nodes are not on this board; timeouts cover them.
+One row per rank of the communicator on this node: its rank, pid, how many collectives it has
+issued, which collective it is blocked in, and whether it has left (closed the communicator,
+or started to exit) and when. Each rank's watchdog thread writes its own row and reads the
+others; the rank itself writes the row once more as it leaves, so that a peer knows how far
+it got before it went. Ranks on other nodes are not on this board; timeouts cover them.
 """
 from __future__ import annotations
 
@@ -12,17 +13,24 @@ import itertools
 import mmap
 import os
 import tempfile
+import time
+
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["NodeBoard", "alive", "RANK", "PID", "LEFT", "SEQ", "BUSY", "BUSY_SEQ"]
+from . import _bootstrap
 
-RANK, PID, LEFT, SEQ, BUSY, BUSY_SEQ = range(6)
+__all__ = ["NodeBoard", "alive", "shared_directory", "RANK", "PID", "LEFT", "SEQ", "BUSY",
+           "BUSY_SEQ", "LEFT_AT", "CLOSED", "EXITING"]
+
+RANK, PID, LEFT, SEQ, BUSY, BUSY_SEQ, LEFT_AT = range(7)
+CLOSED, EXITING = 1, 2   # LEFT: why the rank left (0: it has not)
 _FIELDS = 8
 _names = itertools.count()
 
 
-def _directory() -> str:
+def shared_directory() -> str:
+    """Where node-local shared memory files go."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
@@ -35,7 +43,7 @@ class NodeBoard:
         nbytes = node.Get_size() * _FIELDS * 8
         path = None
         if me == 0:
-            path = os.path.join(_directory(), f"cupycomm-{os.getpid()}-{next(_names)}")
+            path = os.path.join(shared_directory(), f"cupycomm-{os.getpid()}-{next(_names)}")
             with open(path, "wb") as f:
                 f.truncate(nbytes)
         path = node.bcast(path, root=0)
@@ -49,18 +57,22 @@ class NodeBoard:
         self.mine[RANK], self.mine[PID] = rank, os.getpid()
 
     def publish(self, seq: int, busy: int, busy_seq: int) -> None:
-        """This rank's progress (busy: 0 when not blocked, else 1 + a collective's code)."""
+        """This rank's progress (busy: 0 when not blocked, else the collective's code: 1 + its
+        index in ``_watchdog.COLLECTIVES``)."""
         mine = self.mine
         mine[SEQ], mine[BUSY], mine[BUSY_SEQ] = seq, busy, busy_seq
 
     def leave(self) -> None:
-        """Say that this rank is leaving: its peers must stop waiting for it."""
-        self.mine[LEFT] = 1
+        """Say that this rank is leaving (its SEQ is then final: the collectives it issued
+        before it went), why, and when (``time.monotonic()``, in ns: the clock is the
+        node's)."""
+        mine = self.mine
+        mine[LEFT_AT] = time.monotonic_ns()
+        mine[LEFT] = EXITING if _bootstrap.exiting() else CLOSED
 
     def peers(self) -> np.ndarray:
         """A snapshot of the other rows."""
         return np.array([row for row in self.rows if row[PID] != self.mine[PID]])
-
 
 
 def alive(pid: int) -> bool:

@@ -13,13 +13,13 @@ import sys
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TextIO
 
 from mpi4py import MPI
 
 __all__ = ["world", "node_comm", "choose_device", "import_cupy", "broadcast_unique_id",
            "install_abort_handler", "abort_enabled", "abort_world", "env_flag",
-           "track_for_exit", "describe_rank"]
+           "track_for_exit", "describe_rank", "report_to", "report_stream", "exiting"]
 
 
 def world() -> MPI.Comm:
@@ -86,6 +86,22 @@ def abort_enabled(requested: Optional[bool]) -> bool:
     return requested if requested is not None else env_flag(_ENV_ABORT, True)
 
 
+_report: Optional[TextIO] = None
+
+
+def report_to(stream: Optional[TextIO]) -> None:
+    """Write abort messages and stacks to ``stream`` (a file with a descriptor of its own),
+    not to ``sys.stderr``; None: back to ``sys.stderr``. The pytest plugin passes a duplicate
+    of the terminal's descriptor: pytest's capture of fd 2 is lost when the job aborts."""
+    global _report
+    _report = stream
+
+
+def report_stream() -> TextIO:
+    """Where abort messages go (see :func:`report_to`)."""
+    return _report if _report is not None else sys.stderr
+
+
 def install_abort_handler() -> None:
     """Abort the MPI job when an exception escapes on this rank (only if the world has peers)."""
     if MPI.COMM_WORLD.Get_size() == 1 or getattr(sys.excepthook, "_cupycomm", False):
@@ -94,8 +110,8 @@ def install_abort_handler() -> None:
 
     def abort_job(kind, value, tb):
         text = "".join(traceback.format_exception(kind, value, tb))
-        sys.stderr.write(f"cupycomm: uncaught exception on {describe_rank()}; "
-                         f"aborting the MPI job\n{text}")
+        report_stream().write(f"cupycomm: uncaught exception on {describe_rank()}; "
+                              f"aborting the MPI job\n{text}")
         close_all()
         abort_world()
         previous(kind, value, tb)  # only reached if Abort returned
@@ -107,13 +123,14 @@ def install_abort_handler() -> None:
 def abort_world(code: int = 1) -> None:
     """MPI_Abort on every rank of the job, after a pause that lets mpiexec forward what this
     rank has just written (an abort kills the job at once: the explanation must arrive)."""
-    sys.stderr.flush()
+    report_stream().flush()
     time.sleep(0.3)
     MPI.COMM_WORLD.Abort(code)
 
 
 # -- exit order: NCCL communicators before MPI_Finalize -------------------------------------------
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_exiting = False
 
 
 def track_for_exit(communicator: Any) -> None:
@@ -121,7 +138,14 @@ def track_for_exit(communicator: Any) -> None:
     _LIVE.add(communicator)
 
 
+def exiting() -> bool:
+    """Whether this process has started to exit (its communicators are being closed for it)."""
+    return _exiting
+
+
 def close_all() -> None:
+    global _exiting
+    _exiting = True
     for communicator in list(_LIVE):
         try:
             communicator.close()

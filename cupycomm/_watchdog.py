@@ -10,23 +10,37 @@ ten times a second and:
 - publishes the tracker to the communicator's node board (:mod:`cupycomm._board`), so that
   peers on this node can see how far this rank has got;
 - when a blocking host call has waited longer than the communicator's timeout: prints which
-  collective, its sequence number and which ranks on this node have not arrived, with this
-  rank's Python stacks, and aborts the job (MPI cannot cancel a collective);
-- when a blocking host call waits and a peer on this node has died: aborts the job naming
-  that peer at once; when the peer is only exiting (its program ended, or it called
-  sys.exit, even with code 0), after a grace period of 2 s (it may have finished this very
-  collective before it left);
+  collective, its sequence number, which ranks on this node have not arrived and which are
+  blocked in a different collective, with this rank's Python stacks, and aborts the job (MPI
+  cannot cancel a collective);
+- when a blocking host call waits and a peer on this node has died (its process ended
+  without leaving: ``os._exit``, a signal, a crash): aborts the job naming that peer at once;
+- when a blocking collective waits and a peer has left (closed the communicator, or its
+  program is exiting: it ended, or called ``sys.exit``, even with code 0) before issuing this
+  collective: aborts the job naming it, 2 s after it left. A peer that issued this collective
+  before it left finished its part of it (a rank exiting right after the last collective
+  while a slower peer is still inside it is a correct program), and point-to-point calls can
+  shift the sequence numbers of one rank against another's, hence the 2 s. A point-to-point
+  wait is never ended by a peer that left cleanly (nothing says that peer was the partner):
+  the timeout bounds it;
 - when the device backend has work that has not finished for longer than the timeout, or NCCL
   reports an asynchronous error: aborts the NCCL communicator (its kernels end, every later
   device call raises :class:`~cupycomm.errors.NcclError`) and says so;
-- re-arms a C-level timer (``faulthandler.dump_traceback_later``): if the main thread holds
-  the GIL past the largest timeout plus a margin (that timeout again, at least 10 s and at
-  most 30 s, so that a loaded machine delaying this thread is not taken for a hang) — a hung
-  call that never releases it, so that no Python thread can run — the timer prints every
-  thread's stack and ends the process, and mpiexec then ends the job.
+- while a call is blocked or device work is pending, and only then, re-arms a C-level timer
+  (``faulthandler.dump_traceback_later``): if this thread cannot look for the timeout plus a
+  margin (the timeout again, at least 10 s and at most 30 s, so that a loaded machine delaying
+  this thread is not taken for a hang), the main thread holds the GIL in a call that never
+  returns; the timer prints every thread's stack and ends the process, and the job ends.
+  The trade-off: the main thread never touches the timer (that would cost every collective a
+  system call), so a collective that takes the GIL before this thread has seen it start is
+  not covered here; its peers, waiting in the same collective, end the job at their timeout.
+  A call that holds the GIL outside any collective, however long, is never ended: it may be
+  a correct program's.
 
-The thread only reads Python attributes, CUDA events and shared memory; it makes no MPI call
-except ``MPI_Abort``.
+Abort messages and stacks go to :func:`cupycomm._bootstrap.report_stream` (the terminal
+under the pytest plugin, whose capture of stderr is lost when the job aborts). The thread
+only reads Python attributes, CUDA events and shared memory; it makes no MPI call except
+``MPI_Abort``.
 """
 from __future__ import annotations
 
@@ -40,8 +54,8 @@ from typing import Any, Iterator, Optional
 
 
 from . import _board
-from ._board import BUSY, BUSY_SEQ, LEFT, PID, RANK, SEQ, NodeBoard
-from ._bootstrap import abort_world, describe_rank
+from ._board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
+from ._bootstrap import abort_world, describe_rank, report_stream
 
 __all__ = ["Tracker", "watch", "unwatch", "abort_job",
            "COLLECTIVES", "GRACE", "INTERVAL", "HOLD_MARGIN"]
@@ -49,10 +63,11 @@ __all__ = ["Tracker", "watch", "unwatch", "abort_job",
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
                "all_to_all", "scatter", "gather", "send", "recv", "sendrecv", "barrier",
                "batch", "debug check", "broadcast_object", "all_gather_object",
-               "gather_object", "scatter_object")
+               "gather_object", "scatter_object", "close")
+POINT_TO_POINT = frozenset({"send", "recv", "sendrecv", "batch"})
 _CODE = {name: code for code, name in enumerate(COLLECTIVES, start=1)}
 INTERVAL = 0.1       # seconds between two looks
-GRACE = 2.0          # seconds a wait may go on after a peer has started to exit
+GRACE = 2.0          # seconds a collective may wait after a peer left before issuing it
 HOLD_MARGIN = (10.0, 30.0)   # the GIL may be held this much (bounds) past the largest timeout
 
 
@@ -88,25 +103,29 @@ class Tracker:
 
     def expired(self, label: str, timeout: float) -> None:
         """``Work.wait(timeout=)`` ran out on the host: MPI cannot cancel, so end the job."""
-        abort_job(f"{label} #{self.seq} on communicator {self.name} did not complete within "
+        name, at = _call(label, self.seq)
+        abort_job(f"{name} #{at} on communicator {self.name} did not complete within "
                   f"the {timeout:g} s given to wait() on {describe_rank()}; "
-                  f"{self._arrivals(self.seq)}; MPI cannot cancel a collective")
+                  f"{self._arrivals(at, name)}; MPI cannot cancel a collective")
 
     # -- called by the watchdog thread ------------------------------------------------------------
-    def check(self, now: float) -> None:
+    def check(self, now: float) -> bool:
         """Judge this communicator at time ``now``: publish its progress, end a wait that has
-        gone on too long or whose peer is gone, abort device work that stopped progressing."""
+        gone on too long or whose peer is gone, abort device work that stopped progressing.
+        Returns whether a call is blocked or device work is pending."""
         seq, busy = self.seq, self.busy
+        name, at = _call(busy, seq) if busy is not None else ("", seq)
         if self.board is not None:
-            self.board.publish(seq, _CODE.get(busy, 0) if busy else 0, seq if busy else 0)
+            self.board.publish(seq, _CODE.get(name, 0), at if busy is not None else 0)
+        waiting = True
         if busy is not None:
-            waited = self._waited((seq, busy), now)
+            waited = self._waited((at, busy), now)
             if waited > self.timeout:
-                abort_job(f"{busy} #{seq} on communicator {self.name} has waited "
+                abort_job(f"{name} #{at} on communicator {self.name} has waited "
                           f"{waited:.0f} s (timeout {self.timeout:g} s) on {describe_rank()}; "
-                          f"{self._arrivals(seq)}; MPI cannot cancel a collective")
+                          f"{self._arrivals(at, name)}; MPI cannot cancel a collective")
             elif self.board is not None:
-                self._check_peers(busy, seq, waited)
+                self._check_peers(name, at, now)
         elif self.device is not None and self.device.has_pending_work():
             waited = self._waited(("device", seq), now)
             if waited > self.timeout:
@@ -115,24 +134,30 @@ class Tracker:
                                    f"(timeout {self.timeout:g} s)")
         else:
             self._waiting = None
+            waiting = False
         if self.device is not None:
             error = self.device.async_error()
             if error:
                 self._abort_device(f"NCCL reported an asynchronous error: {error}")
+        return waiting
 
-    def _check_peers(self, busy: str, seq: int, waited: float) -> None:
-        """End the job if a peer this rank may be waiting for is gone: at once if its process
-        has ended, after the grace period if it is only exiting (it may have finished this
-        very collective before it left)."""
+    def _check_peers(self, name: str, at: int, now: float) -> None:
+        """End the job if a peer that this rank may be waiting for is gone (see the module
+        docstring for when a peer that left is taken for one)."""
         for row in self.board.peers():
-            if not _board.alive(int(row[PID])):
-                state = "has died"
-            elif row[LEFT] and waited > GRACE:
-                state = "is exiting (its program ended or called sys.exit)"
+            if row[LEFT]:
+                if (name in POINT_TO_POINT or row[SEQ] >= at
+                        or now - row[LEFT_AT] / 1e9 < GRACE):
+                    continue
+                how = ("closed the communicator" if row[LEFT] == CLOSED else
+                       "has exited (its program ended or called sys.exit)")
+                state = f"{how} after its collective #{row[SEQ]}"
+            elif not _board.alive(int(row[PID])):
+                state = "has died (its process ended: os._exit, a signal or a crash)"
             else:
                 continue
             abort_job(f"rank {row[RANK]} of communicator {self.name} (pid {row[PID]}) {state} "
-                      f"while {describe_rank()} waits in {busy} #{seq}")
+                      f"while {describe_rank()} waits in {name} #{at}")
 
     def _waited(self, key: tuple, now: float) -> float:
         if self._waiting is None or self._waiting[0] != key:
@@ -146,39 +171,55 @@ class Tracker:
             sys.stderr.flush()
         self._waiting = None
 
-    def _arrivals(self, seq: int) -> str:
-        """Which ranks on this node have not issued collective ``seq`` yet."""
+    def _arrivals(self, at: int, name: str) -> str:
+        """Which ranks on this node have not issued collective ``at`` yet, and which are
+        blocked in another collective of that number (ranks that called different ones)."""
         if self.board is None:
             return "no other rank's progress is known"
-        late, behind = [], []
+        late, behind, elsewhere = [], [], []
         for row in self.board.peers():
-            if row[SEQ] < seq:
-                doing = (f"blocked in {COLLECTIVES[row[BUSY] - 1]} #{row[BUSY_SEQ]}"
-                         if row[BUSY] else "not in a collective")
+            doing = COLLECTIVES[row[BUSY] - 1] if row[BUSY] else ""
+            if row[SEQ] < at:
                 late.append(int(row[RANK]))
-                behind.append(f"rank {row[RANK]} is at #{row[SEQ]}, {doing}")
+                behind.append(f"rank {row[RANK]} is at #{row[SEQ]}, " + (
+                    f"blocked in {doing} #{row[BUSY_SEQ]}" if doing else "not in a collective"))
+            elif (doing and row[BUSY_SEQ] == at and doing != name
+                  and not {doing, name} & POINT_TO_POINT):
+                elsewhere.append(f"rank {row[RANK]} is blocked in {doing} #{at}")
+        parts = []
+        if late:
+            parts.append(f"ranks not arrived: {late} ({'; '.join(behind)})")
+        if elsewhere:
+            parts.append(f"the ranks called different collectives: {'; '.join(elsewhere)}")
+        text = "; ".join(parts) or "every rank on this node has arrived"
         others = self.size - len(self.board.rows)
-        text = (f"ranks not arrived: {late} ({'; '.join(behind)})" if late
-                else "every rank on this node has arrived")
         if others:
             text += f"; {others} ranks on other nodes: not known here"
         return text
 
 
+def _call(busy: str, seq: int) -> tuple:
+    """(collective, its number) of a busy label: "barrier" is the latest one issued (``seq``);
+    a Work's wait names its own ("all_reduce #12")."""
+    name, _, number = busy.partition(" #")
+    return name, int(number) if number.isdigit() else seq
+
+
 def abort_job(message: str) -> None:
     """Print ``message`` and this rank's stacks, then end every rank of the job."""
-    sys.stderr.write(f"cupycomm watchdog: {message}: aborting the job\n")
-    sys.stderr.flush()
-    stream = _backstop_file()
-    if stream is not None:
-        faulthandler.dump_traceback(file=stream, all_threads=True)
+    stream = report_stream()
+    stream.write(f"cupycomm watchdog: {message}: aborting the job\n")
+    stream.flush()
+    stacks = _backstop_file()
+    if stacks is not None:
+        faulthandler.dump_traceback(file=stacks, all_threads=True)
     abort_world()
 
 
 def _backstop_file() -> Any:
     """A stream with a real file descriptor for faulthandler (under Jupyter or pytest's capsys
     sys.stderr has none), else None."""
-    for stream in (sys.stderr, sys.__stderr__):
+    for stream in (report_stream(), sys.stderr, sys.__stderr__):
         try:
             stream.fileno()
         except (AttributeError, ValueError, OSError):
@@ -195,17 +236,18 @@ class _Watchdog(threading.Thread):
 
     def run(self) -> None:
         while True:
-            now = time.monotonic()
-            trackers = list(self.trackers)
-            for tracker in trackers:
-                tracker.check(now)
-            self.arm_backstop(trackers)
+            with _lock:   # unwatch() waits: no look publishes for a tracker once unwatched
+                now = time.monotonic()
+                waiting = [tracker for tracker in list(self.trackers) if tracker.check(now)]
+            self.arm_backstop(waiting)
             time.sleep(INTERVAL)
 
-    def arm_backstop(self, trackers: list) -> None:
-        stream = _backstop_file() if trackers else None
+    def arm_backstop(self, waiting: list) -> None:
+        """Arm the GIL backstop while ``waiting`` (the trackers with a blocked call or pending
+        device work) is not empty; else disarm it."""
+        stream = _backstop_file() if waiting else None
         if stream is not None:
-            longest = max(t.timeout for t in trackers)
+            longest = max(t.timeout for t in waiting)
             low, high = HOLD_MARGIN
             limit = longest + max(low, min(longest, high))
             faulthandler.dump_traceback_later(limit, exit=True, file=stream)
@@ -227,10 +269,13 @@ def watch(tracker: Tracker) -> None:
             _watchdog = _Watchdog()
             _watchdog.start()
         _watchdog.trackers.add(tracker)
-        # Armed here too: the thread may not get the GIL before the main thread holds it.
-        _watchdog.arm_backstop(list(_watchdog.trackers))
 
 
 def unwatch(tracker: Tracker) -> None:
-    if _watchdog is not None:
-        _watchdog.trackers.discard(tracker)
+    """Stop looking after ``tracker``, and publish its final progress: the board's row then
+    says how many collectives this rank issued before it left."""
+    with _lock:
+        if _watchdog is not None:
+            _watchdog.trackers.discard(tracker)
+        if tracker.board is not None:
+            tracker.board.publish(tracker.seq, 0, 0)

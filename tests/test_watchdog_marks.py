@@ -1,11 +1,19 @@
 """What the call path tells the watchdog: ``Tracker.busy`` names the blocking call while it
 lasts and is cleared when it ends, also when it raises (else the watchdog would take a rank
-that caught an MPI error for one that hangs, and abort the job later)."""
+that caught an MPI error for one that hangs, and abort the job later). And how the watchdog
+judges what it sees: peers on the node board, the GIL backstop, where its report goes."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from cupycomm._watchdog import Tracker
+from cupycomm import _bootstrap
+from cupycomm._board import CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
+from cupycomm._watchdog import (COLLECTIVES, GRACE, HOLD_MARGIN, Tracker, _Watchdog, abort_job,
+                                unwatch)
 from cupycomm.backends.mpi import MPIBackend
 
 pytestmark = pytest.mark.mpi(max_size=1)
@@ -75,3 +83,156 @@ def test_a_blocking_call_that_waits_past_the_timeout_is_judged_a_hang(monkeypatc
     assert aborted == []
     tracker.check(now=11.5)
     assert len(aborted) == 1 and "all_reduce #5" in aborted[0] and "waited 2 s" in aborted[0]
+
+
+# -- peers on the node board ----------------------------------------------------------------------
+def _board(rows: np.ndarray, index: int) -> NodeBoard:
+    """Row ``index`` of ``rows`` seen as its rank's NodeBoard (no shared memory, no MPI)."""
+    board = NodeBoard.__new__(NodeBoard)
+    board.rows, board.mine = rows, rows[index]
+    return board
+
+
+@pytest.fixture
+def node(monkeypatch):
+    """This rank (0, waiting) and a peer (1, a live process) on a board; the aborts made."""
+    rows = np.zeros((2, 8), np.int64)
+    rows[0, [RANK, PID]] = 0, os.getpid()
+    rows[1, [RANK, PID]] = 1, os.getppid()
+    aborted = []
+    monkeypatch.setattr("cupycomm._watchdog.abort_job", aborted.append)
+    tracker = Tracker("test", 0, 2, timeout=1000.0, board=_board(rows, 0))
+    return tracker, _board(rows, 1), aborted
+
+
+def _leave(peer: NodeBoard, seq: int, at: float, monkeypatch, exiting: bool = True) -> None:
+    """The peer issued ``seq`` collectives, then left at time ``at``: exiting, or closing."""
+    monkeypatch.setattr("cupycomm._bootstrap._exiting", exiting)
+    peer.publish(seq, 0, 0)
+    peer.leave()
+    peer.mine[LEFT_AT] = int(at * 1e9)
+
+
+def test_a_peer_that_left_after_issuing_the_collective_is_not_waited_for(node, monkeypatch):
+    """A rank that ran the last collective and exited while a slower peer is still inside it
+    (or whose process has even ended since): a correct program, never aborted."""
+    tracker, peer, aborted = node
+    tracker.seq, tracker.busy = 5, "barrier"
+    _leave(peer, 5, at=0.0, monkeypatch=monkeypatch)
+    peer.mine[PID] = _ended_pid()
+    for now in (0.0, 10.0, 100.0):
+        tracker.check(now)
+    assert aborted == []
+
+
+@pytest.mark.parametrize("exiting, how", [(True, "has exited (its program ended or called "
+                                                 "sys.exit)"),
+                                          (False, "closed the communicator")])
+def test_a_peer_that_left_before_the_collective_ends_the_job_after_the_grace(
+        node, monkeypatch, exiting, how):
+    """The grace is counted from when the peer left, not from when the wait began."""
+    tracker, peer, aborted = node
+    tracker.seq, tracker.busy = 5, "all_reduce"
+    tracker.check(0.0)                          # the wait begins
+    _leave(peer, 4, at=100.0, monkeypatch=monkeypatch, exiting=exiting)
+    tracker.check(100.0 + GRACE / 2)
+    assert aborted == []
+    tracker.check(100.0 + GRACE * 1.5)
+    assert len(aborted) == 1
+    assert f"rank 1 of communicator test (pid {os.getppid()}) {how} after its collective #4 " \
+           f"while rank 0 of" in aborted[0]
+    assert "waits in all_reduce #5" in aborted[0]
+
+
+def test_a_point_to_point_wait_is_not_ended_by_a_peer_that_left(node, monkeypatch):
+    """Nothing says the peer that left was the partner: the timeout bounds such a wait."""
+    tracker, peer, aborted = node
+    tracker.seq, tracker.busy = 5, "recv"
+    tracker.check(0.0)
+    _leave(peer, 2, at=0.0, monkeypatch=monkeypatch)
+    tracker.check(100.0)
+    assert aborted == []
+
+
+def test_a_peer_that_died_without_leaving_ends_the_job_at_once(node):
+    tracker, peer, aborted = node
+    peer.mine[PID] = _ended_pid()
+    tracker.seq, tracker.busy = 3, "recv"
+    tracker.check(0.0)
+    assert len(aborted) == 1 and "rank 1 of communicator test" in aborted[0]
+    assert "has died" in aborted[0] and "waits in recv #3" in aborted[0]
+
+
+def test_a_peer_blocked_in_another_collective_of_the_same_number_is_named(node):
+    """A rank that raised, caught it and went on to barrier #5 while its peer waits in
+    all_reduce #5: every rank has arrived at #5, but not at the same collective."""
+    tracker, peer, aborted = node
+    peer.publish(5, COLLECTIVES.index("barrier") + 1, 5)
+    tracker.seq, tracker.busy, tracker.timeout = 5, "all_reduce", 1.0
+    tracker.check(0.0)
+    tracker.check(2.0)
+    assert len(aborted) == 1
+    assert "the ranks called different collectives: rank 1 is blocked in barrier #5" in \
+        aborted[0]
+    assert "every rank on this node has arrived" not in aborted[0]
+
+
+def test_a_works_wait_is_named_by_its_own_number(node):
+    """Work.wait() on all_reduce #2 after more calls were issued: #2, not the latest."""
+    tracker, peer, aborted = node
+    tracker.seq, tracker.busy, tracker.timeout = 7, "all_reduce #2", 1.0
+    tracker.check(0.0)
+    tracker.check(2.0)
+    assert len(aborted) == 1 and aborted[0].startswith("all_reduce #2 on communicator test")
+    assert "ranks not arrived: [1] (rank 1 is at #0, not in a collective)" in aborted[0]
+
+
+def test_leaving_publishes_the_final_count_and_the_reason(monkeypatch):
+    """unwatch() (called by close() before leave()) writes the last count, which the
+    watchdog thread may not have published yet."""
+    rows = np.zeros((1, 8), np.int64)
+    tracker = Tracker("test", 0, 2, timeout=1.0, board=_board(rows, 0))
+    tracker.seq = 9
+    unwatch(tracker)
+    tracker.board.leave()
+    assert rows[0, SEQ] == 9 and rows[0, LEFT] == CLOSED and rows[0, LEFT_AT] > 0
+
+
+def _ended_pid() -> int:
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    return int(child.stdout)
+
+
+# -- the GIL backstop and where the report goes ---------------------------------------------------
+def test_the_backstop_is_armed_only_while_a_call_waits(monkeypatch):
+    armed = []
+    monkeypatch.setattr("faulthandler.dump_traceback_later",
+                        lambda limit, exit, file: armed.append(limit))
+    monkeypatch.setattr("faulthandler.cancel_dump_traceback_later", lambda: armed.append(None))
+    dog = _Watchdog()
+    idle = Tracker("idle", 0, 2, timeout=100.0)
+    busy = Tracker("busy", 0, 2, timeout=2.0)
+    busy.busy = "barrier"
+    waiting = [t for t in (idle, busy) if t.check(0.0)]
+    assert waiting == [busy]
+    dog.arm_backstop(waiting)
+    assert armed == [2.0 + HOLD_MARGIN[0]] and dog.armed   # from the waiting one's timeout
+    busy.busy = None
+    dog.arm_backstop([t for t in (idle, busy) if t.check(1.0)])
+    assert armed[-1] is None and not dog.armed
+
+
+def test_abort_job_reports_where_it_is_told(tmp_path, monkeypatch):
+    """Under the plugin the report goes to the terminal's descriptor, not to sys.stderr
+    (pytest's capture, lost when the job aborts)."""
+    monkeypatch.setattr("cupycomm._watchdog.abort_world", lambda: None)
+    with open(tmp_path / "terminal", "w") as terminal:
+        _bootstrap.report_to(terminal)
+        try:
+            abort_job("a test message")
+        finally:
+            _bootstrap.report_to(None)
+    text = (tmp_path / "terminal").read_text()
+    assert "cupycomm watchdog: a test message: aborting the job" in text
+    assert "in test_abort_job_reports_where_it_is_told" in text   # this thread's stack
