@@ -3,12 +3,14 @@ with a hard bound, and must end the whole job quickly, non-zero, saying which ra
 
 These tests start mpiexec jobs of their own, so they run in the single-process pass of the
 suite (mpiexec does not nest inside an mpiexec run) and skip under mpiexec on every rank.
+The jobs run as the README recommends, with MPICH's ``-disable-auto-cleanup``: the watchdog,
+not the launcher, must end them.
 """
 from pathlib import Path
 
 import pytest
 
-from cupycomm.testing import run_mpiexec
+from cupycomm.testing import no_auto_cleanup, run_mpiexec
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
@@ -16,8 +18,8 @@ SCENARIO = str(Path(__file__).resolve().parent / "faults" / "scenario.py")
 BOUND = 10.0   # seconds within which every fault must end the job
 
 
-def run(name, n=3, timeout=60, mpiexec_args=()):
-    return run_mpiexec(n, SCENARIO, name, timeout=timeout, mpiexec_args=mpiexec_args)
+def run(name, n=3, timeout=60):
+    return run_mpiexec(n, SCENARIO, name, timeout=timeout, mpiexec_args=no_auto_cleanup())
 
 
 def ended_quickly(job, bound=BOUND):
@@ -43,34 +45,28 @@ def test_a_rank_that_calls_sys_exit_0_is_named():
     job = run("sys-exit-0")
     ended_quickly(job)
     assert job.returncode != 0
-    assert "rank 2 of communicator world" in job.output and "is exiting" in job.output
+    assert ("rank 2 of communicator world" in job.output
+            and "has exited (its program ended or called sys.exit) after its collective #1"
+            in job.output), job.output
     no_rank_finished(job)
 
 
-@pytest.mark.parametrize("name", ["os-exit-0", "sigkill"])
-def test_a_rank_that_dies_ends_the_job(name):
-    """MPICH's mpiexec (hydra) sees the process end and kills the other ranks itself, at once
-    (SIGKILL: nothing of theirs runs again), usually before cupycomm's watchdog looks; with
-    exit code 0 hydra's own exit status is then sometimes 0. The guarantee kept here is that
-    the job ends at once and no rank goes on as if nothing happened; the next test shows the
-    named, non-zero ending."""
-    job = run(name)
-    ended_quickly(job)
-    no_rank_finished(job)
-    assert job.returncode != 0 or name == "os-exit-0"
-
-
-def test_without_hydras_cleanup_the_watchdog_names_a_rank_that_exited_0():
-    """``mpiexec -disable-auto-cleanup`` leaves the survivors running: their watchdog sees the
-    peer's process gone, names it and aborts the job non-zero (the README recommends it).
-    A rank killed by a signal is not covered: hydra then ends the job itself, exit status 9,
-    often before the watchdog has looked."""
-    job = run("os-exit-0", mpiexec_args=["-disable-auto-cleanup"])
+def test_a_rank_that_exits_0_without_python_is_named_and_the_job_fails():
+    job = run("os-exit-0")
     ended_quickly(job)
     no_rank_finished(job)
     assert job.returncode != 0, job.output
     assert "rank 2 of communicator world" in job.output and "has died" in job.output, \
         job.output
+
+
+def test_a_rank_killed_by_a_signal_fails_the_job():
+    """Even with -disable-auto-cleanup, hydra ends the job itself when a rank is killed by a
+    signal (exit status 9), often before the watchdog has looked: not always named."""
+    job = run("sigkill")
+    ended_quickly(job)
+    no_rank_finished(job)
+    assert job.returncode != 0, job.output
 
 
 def test_a_rank_that_never_arrives_times_out_naming_it():
@@ -82,12 +78,20 @@ def test_a_rank_that_never_arrives_times_out_naming_it():
     assert "in all_reduce" in job.output   # the waiting rank's stack
 
 
-def test_a_call_that_holds_the_gil_ends_the_process_with_its_stacks():
+def test_a_collective_that_holds_the_gil_ends_the_process_with_its_stacks():
     job = run("hold-gil", n=2)
-    ended_quickly(job, bound=20.0)   # the 3 s timeout + the 10 s margin, then mpiexec's cleanup
+    ended_quickly(job)   # the 3 s timeout + the margin, shrunk to 1 s by the scenario
     assert job.returncode != 0
-    assert "Timeout (0:00:13)!" in job.output
-    assert "scenario.py" in job.output   # where the main thread held on
+    assert "Timeout (0:00:04)!" in job.output
+    assert "in hold_the_gil" in job.output   # the thread that held on
+    assert "rank 1 of communicator mpi_comm" in job.output and "has died" in job.output
+
+
+def test_a_long_call_holding_the_gil_outside_collectives_is_left_alone():
+    job = run("hold-gil-idle", n=2)
+    ended_quickly(job)
+    assert job.returncode == 0, job.output
+    assert job.output.count("finished with") == 2, job.output
 
 
 @pytest.mark.parametrize("kind", ["count", "dtype", "op", "root"])

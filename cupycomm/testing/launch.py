@@ -4,20 +4,22 @@ For tests that must start a job of their own: fault scripts, examples, the plugi
 scratch suites. The child job gets the parent's environment without the variables that MPI
 launchers give their ranks (``PMI_*``, ``PMIX_*``, ``HYDI_*``/``HYDRA_*``, ``MPI_LOCAL*``,
 ``OMPI_*``/``PRTE_*``), so that it starts as a job of its own even when the test itself runs
-under ``mpiexec``.
+under ``mpiexec``. :func:`no_auto_cleanup` gives the options that leave the ending of a failed
+job to cupycomm.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
-__all__ = ["Launched", "run_mpiexec", "launch_environment"]
+__all__ = ["Launched", "run_mpiexec", "launch_environment", "no_auto_cleanup"]
 
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
                       "OMPI_", "PRTE_")
@@ -90,6 +92,29 @@ def run_mpiexec(n: int, *args: str, timeout: float, env: Optional[Mapping[str, s
             stdout, stderr = job.communicate()
             timed_out = True
     return Launched(argv, job.returncode, stdout, stderr, time.monotonic() - start, timed_out)
+
+
+def no_auto_cleanup(mpiexec: Optional[str] = None) -> List[str]:
+    """``["-disable-auto-cleanup"]`` for MPICH's mpiexec (hydra), else ``[]``.
+
+    When a rank's process ends without MPI_Finalize (``os._exit``, a signal), hydra kills the
+    other ranks itself, racing cupycomm's watchdog, and for an ``os._exit(0)`` its own exit
+    status is then sometimes 0. With the option the survivors go on, and the watchdog (or the
+    pytest plugin's hang guard) names the rank and ends the job non-zero. Other launchers
+    (Open MPI's ``mpirun`` reports such an exit itself) get no option.
+
+    Example::
+
+        job = run_mpiexec(3, "scenario.py", timeout=60, mpiexec_args=no_auto_cleanup())
+    """
+    return list(_cleanup_options(mpiexec or _find_mpiexec()))
+
+
+@functools.lru_cache(maxsize=None)
+def _cleanup_options(launcher: str) -> tuple:
+    version = subprocess.run([launcher, "--version"], capture_output=True, text=True,
+                             errors="replace", timeout=60, env=launch_environment())
+    return ("-disable-auto-cleanup",) if "HYDRA" in version.stdout + version.stderr else ()
 
 
 def _find_mpiexec() -> str:

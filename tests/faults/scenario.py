@@ -3,21 +3,53 @@
     mpiexec -n 3 python tests/faults/scenario.py raise-before-collective
 
 The last rank misbehaves; the others enter a collective that cannot complete. Every
-scenario must end the whole job quickly, non-zero, saying which rank and why.
+scenario must end the whole job quickly, non-zero, saying which rank and why, except
+hold-gil-idle: a correct program whose long GIL-holding call must not be ended.
+
+The hold-gil scenarios shrink the watchdog's GIL margin (10 s at least otherwise) to 1 s, so
+that they take seconds: the mechanism is the same.
 """
 import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import cupycomm
+from cupycomm import _watchdog
+
+
+def hold_the_gil(seconds: int) -> None:
+    """A C call that keeps the GIL: no other Python thread of this process can run."""
+    ctypes.PyDLL(None).sleep(seconds)
+
+
+def hold_the_gil_inside_a_collective(comm: cupycomm.Communicator, culprit: bool) -> None:
+    """The culprit blocks in a barrier that the others never enter (they wait in one of
+    another communicator, with a long timeout) and a thread of it takes the GIL once the
+    watchdog has seen the barrier start (it has then armed its backstop)."""
+    elsewhere = cupycomm.init(MPI.COMM_WORLD, timeout=60.0)
+    if not culprit:
+        elsewhere.barrier()
+        return
+
+    def take_the_gil() -> None:
+        while not _watchdog._watchdog.armed:
+            time.sleep(0.01)
+        hold_the_gil(60)
+
+    threading.Thread(target=take_the_gil, daemon=True).start()
+    comm.barrier()
 
 
 def main(name: str) -> None:
     debug = name.startswith("debug-")
+    if name.startswith("hold-gil"):
+        _watchdog.HOLD_MARGIN = (1.0, 1.0)
     comm = cupycomm.init(timeout=3.0, debug=debug)
     culprit = comm.rank == comm.size - 1
     x = np.ones(4)
@@ -33,9 +65,13 @@ def main(name: str) -> None:
     if name == "never-arrives" and culprit:
         time.sleep(60)
     if name == "hold-gil":
-        if culprit:   # a C call that keeps the GIL: no Python thread of this rank can run
-            ctypes.PyDLL(None).sleep(60)
-        time.sleep(60)
+        hold_the_gil_inside_a_collective(comm, culprit)
+    if name == "hold-gil-idle":   # longer than the timeout + margin, outside any collective
+        time.sleep(0.5)   # the watchdog has looked since the last collective ended
+        if culprit:
+            hold_the_gil(5)
+        else:
+            time.sleep(5)
     if name.endswith("mismatch-count"):
         x = np.ones(4 + 2 * culprit)
     if name.endswith("mismatch-dtype"):   # the same number of bytes: MPI cannot tell
