@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from cupycomm.testing import launch_environment, run_mpiexec
+from cupycomm.testing import launch_environment, no_auto_cleanup, run_mpiexec
 from cupycomm.testing._session import TIMEOUT, worst_exit_status
 
 pytest_plugins = ["pytester"]
@@ -25,9 +25,15 @@ SIZES = [2, 3]
 
 
 def run_cases(n, *args, timeout=90):
-    """``mpiexec -n n python -m pytest *args`` in the scratch suites' directory."""
+    """``mpiexec -n n python -m pytest *args`` in the scratch suites' directory, with the
+    launcher's options that the README recommends."""
     return run_mpiexec(n, "-m", "pytest", "-p", "no:cacheprovider", *args, timeout=timeout,
-                       cwd=str(CASES))
+                       cwd=str(CASES), mpiexec_args=no_auto_cleanup())
+
+
+def without_stacks(text):
+    """``text`` without the lines of Python stacks (for assertion messages)."""
+    return "\n".join(line for line in text.splitlines() if not line.startswith("  File "))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -74,6 +80,62 @@ def test_a_hanging_test_ends_the_job_with_every_ranks_stack(n, how):
     assert others.count("in _agree_on_the_end") == n - 1
     assert "aborting the MPI job" in err
     assert "test_never_reached" not in job.output
+    assert "mpi_timeout 3 s" in job.stdout and "not enforced" not in job.stdout
+
+
+@pytest.mark.parametrize("n, how", [(2, ()), (3, ()), (2, ("-o", "mpi_timeout=2"))],
+                         ids=["2-seen", "3-seen", "2-timeout"])
+def test_a_failure_that_leaves_the_others_waiting_ends_the_job_with_it(n, how):
+    """The last rank fails before a barrier that the others enter: the job ends within
+    seconds (the hang guard sees the failure and the ranks still inside the test; or at the
+    timeout, if it comes first) and prints that failure and the earlier ones."""
+    job = run_cases(n, "case_stuck.py", "-k", "fails_on_rank_0 or fails_while", *how)
+    last, err = n - 1, without_stacks(job.stderr)
+    assert job.returncode == 1, without_stacks(job.output)
+    assert job.elapsed < 15, (job.elapsed, err)
+    if how:
+        assert "test_last_rank_fails_while_the_others_wait did not finish within 2 s" in err
+    else:
+        stuck = "rank 0 is" if n == 2 else "ranks 0, 1 are"
+        assert (f"test_last_rank_fails_while_the_others_wait failed on rank {last}, and "
+                f"{stuck} still inside it") in err, err
+    assert f" rank {last} (pid " in err, err
+    mine = err.split(f" rank {last} (pid ")[1]
+    assert f"AssertionError: deliberate failure on rank {last} before the barrier" in mine, err
+    assert "tests that failed before it" in err and \
+        "FAILED case_stuck.py::test_fails_on_rank_0" in err, err
+
+
+def test_a_rank_that_exits_inside_a_test_is_named_and_fails_the_job():
+    job = run_cases(2, "case_stuck.py", "-k", "exits_while")
+    err = without_stacks(job.stderr)
+    assert job.returncode == 1, without_stacks(job.output)
+    assert job.elapsed < 15, (job.elapsed, err)
+    assert "died during case_stuck.py::test_last_rank_exits_while_the_others_wait" in err, err
+    assert "rank 1 (pid " in err and "(the process has exited)" in err, err
+
+
+def test_the_watchdogs_message_and_stacks_reach_the_terminal():
+    """Rank 0 reduces alone on ``cupycomm_comm``; rank 1 passes and closes it. The watchdog of
+    rank 0 says so and aborts: what it writes must not stay in pytest's capture."""
+    job = run_cases(2, "case_stuck.py", "-k", "reduces_alone")
+    assert job.returncode == 1, without_stacks(job.output)
+    assert job.elapsed < 15, (job.elapsed, without_stacks(job.stderr))
+    assert ("cupycomm watchdog: rank 1 of communicator mpi_comm" in job.stderr
+            and "closed the communicator after its collective #0 while rank 0 of 2"
+            in job.stderr and "waits in all_reduce #1" in job.stderr), job.stderr
+    assert "in test_rank_0_reduces_alone" in job.stderr, job.stderr
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_fixture_that_skips_on_one_rank_cannot_hold_the_others(n):
+    """The plugin's communicators are made before the test's fixtures, so the ranks that
+    did not skip are not left waiting in a collective of theirs."""
+    job = run_cases(n, "case_fixture_skip.py", "-rs")
+    assert job.returncode == 0, without_stacks(job.output)
+    assert job.elapsed < 15, job.elapsed
+    assert f"skipped on rank {n - 1} of {n}: deliberately skipped by a fixture" in job.stdout
+    assert "1 passed, 1 skipped" in job.stdout
 
 
 def test_a_rank_that_fails_before_the_session_cannot_hang_the_others():
@@ -131,7 +193,8 @@ def test_in_one_process_the_plugin_adds_only_its_header(pytester):
     pytester.makepyfile(case_outcomes=(CASES / "case_outcomes.py").read_text())
     result = pytester.runpytest("case_outcomes.py")
     result.assert_outcomes(failed=1, passed=1, skipped=4, xfailed=1)
-    result.stdout.fnmatch_lines(["cupycomm.testing: 1 MPI rank (*"])
+    result.stdout.fnmatch_lines(["cupycomm.testing: 1 MPI rank (*; mpi_timeout 60 s (not "
+                                 "enforced in one process)"])
     assert " of 1 -" not in result.stdout.str()    # no rank sections in the report
 
 
@@ -212,6 +275,17 @@ def test_launch_environment_drops_the_launchers_variables(monkeypatch):
     env = launch_environment({"EXTRA": "1"})
     assert not {"PMI_RANK", "HYDI_CONTROL_FD", "OMPI_COMM_WORLD_SIZE"} & set(env)
     assert env["EXTRA"] == "1" and env["PATH"] == os.environ["PATH"]
+
+
+def test_no_auto_cleanup_is_for_hydra_only(tmp_path):
+    other = tmp_path / "mpiexec"
+    other.write_text("#!/bin/sh\necho 'mpiexec (Open MPI) 5.0.3'\n")
+    other.chmod(0o755)
+    assert no_auto_cleanup(str(other)) == []
+    hydra = tmp_path / "hydra"
+    hydra.write_text("#!/bin/sh\necho 'HYDRA build details:'\n")
+    hydra.chmod(0o755)
+    assert no_auto_cleanup(str(hydra)) == ["-disable-auto-cleanup"]
 
 
 @pytest.mark.parametrize("bad", [dict(n=0, timeout=1), dict(n=2, timeout=0)])

@@ -11,7 +11,7 @@ import dataclasses
 import enum
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Kind", "kind_of", "detail_of", "agree", "apply", "ranks_label", "by_value"]
+__all__ = ["Kind", "kind_of", "detail_of", "summary", "agree", "apply", "ranks_label", "by_value"]
 
 
 class Kind(enum.IntEnum):
@@ -44,6 +44,16 @@ def detail_of(report: Any, kind: Kind) -> Optional[Dict[str, Any]]:
         "wasxfail": getattr(report, "wasxfail", None),
         "sections": list(report.sections) if kind is Kind.FAILED else [],
     }
+
+
+def summary(detail: Optional[Dict[str, Any]]) -> str:
+    """What a :func:`detail_of` says went wrong, for the hang guard's report ('' if nothing):
+    the failure's text, or why the phase skipped."""
+    if detail is None:
+        return ""
+    if detail["skip"] is not None:
+        return f"skipped: {_bare(detail['skip'][-1])}"
+    return detail["text"]
 
 
 def agree(when: str, kinds: Sequence[Kind]) -> Optional[Kind]:

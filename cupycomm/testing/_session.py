@@ -11,12 +11,14 @@ import os
 import sys
 from typing import Any, Dict, Generator, List, Optional
 
+import numpy as np
 import pytest
 from _pytest.runner import runtestprotocol  # what pytest's own protocol runs, without logging
 from mpi4py import MPI
 
+from .._bootstrap import abort_world, report_stream
 from . import _outcomes
-from ._hangs import HangGuard
+from ._hangs import END_OF_SESSION, FINISHED, IN_ROUND, RUNNING, HangGuard, HostBoard, position
 from ._outcomes import Kind, by_value, ranks_label
 from ._rounds import CODE, EXTRA, POINT, SEQ, Point, Round, Rounds
 
@@ -29,6 +31,8 @@ TIMEOUT = pytest.StashKey[float]()  # on an item: its timeout in seconds (0: non
 _SEVERITY = [pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR,
              pytest.ExitCode.INTERRUPTED, pytest.ExitCode.TESTS_FAILED,
              pytest.ExitCode.NO_TESTS_COLLECTED, pytest.ExitCode.OK]
+# Where each round puts a rank on the hang guard's board (see _hangs.position).
+_STEP = {Point.MARKS: 1, Point.SETUP: 1, Point.END: 3, Point.COLLECT: 1, Point.COLLECT_IDS: 1}
 
 
 def worst_exit_status(codes: List[int]) -> int:
@@ -53,9 +57,12 @@ class MpiSession:
         self.rounds = Rounds(MPI.COMM_WORLD.Dup())
         self.rank, self.size = self.rounds.rank, self.rounds.size
         who = self.rounds.allgather_ints([os.getpid(), _digest([os.uname().nodename])])
+        host = {int(r): int(who[r, 0]) for r in np.flatnonzero(who[:, 1] == who[self.rank, 1])}
+        board = HostBoard(host, self.rank)
+        self.rounds.allgather_ints([0])  # every rank of the host has mapped the board
+        board.unlink()
         self.guard.disarm()
-        host = who[:, 1] == who[self.rank, 1]
-        self.guard.know_host({int(r): int(who[r, 0]) for r in host.nonzero()[0]})
+        self.guard.know_host(host, board)
         self._session: Optional[pytest.Session] = None
         self._seq = 0
         self._marks: Optional[str] = None
@@ -97,6 +104,7 @@ class MpiSession:
         if done is not None and len(set(done.column(EXTRA))) > 1:
             listed = self._exchange(Point.COLLECT_IDS, detail=ids)
         self.guard.disarm()
+        self.guard.tests = ids
         if done is None:
             return
         for nodeid, text in self._errors_elsewhere(done):
@@ -139,12 +147,15 @@ class MpiSession:
         self._marks = "due" if any(item.iter_markers("skipif")) or any(
             item.iter_markers("xfail")) else None
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        self.guard.at(position(self._seq, 0), RUNNING)
         self.guard.arm(item.stash.get(TIMEOUT, self.default_timeout), item.nodeid)
         try:
             reports = runtestprotocol(item, nextitem=nextitem, log=False)
             self._agree_on_the_end(reports[1:])
         finally:
             self.guard.disarm()
+        if any(report.failed for report in reports):
+            self.guard.earlier.append(item.nodeid)
         for report in reports:
             item.ihook.pytest_runtest_logreport(report=report)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
@@ -156,6 +167,7 @@ class MpiSession:
         if self._marks == "due":
             self._marks = "agreed"
             done = self._exchange(Point.MARKS, self._seq, Kind.PASSED, extra=1)
+            self.guard.at(position(self._seq, 0), RUNNING)
             if done is None or done.column(CODE).any():
                 self._marks = "stopped"
                 pytest.skip("the marks did not pass on every rank")
@@ -167,6 +179,7 @@ class MpiSession:
         if report.when == "setup":
             kind = _outcomes.kind_of(report)
             done = self._agree_on_setup(kind, _outcomes.detail_of(report, kind))
+            self.guard.at(position(self._seq, 2), RUNNING)
             if done is not None:
                 _outcomes.apply(report, _kinds(done, CODE), done.details, self.rank)
             elif report.passed:
@@ -177,19 +190,23 @@ class MpiSession:
     def _agree_on_setup(self, kind: Kind, detail: Any) -> Optional[Round]:
         marks, self._marks = self._marks, None
         if marks == "due":  # the marks stopped this rank: this round carries its outcome
-            done = self._exchange(Point.MARKS, self._seq, kind, detail=detail)
+            done = self._exchange(Point.MARKS, self._seq, kind, detail=detail,
+                                  failure=_outcomes.summary(detail))
             if done is None or not done.column(EXTRA).any():
                 return done
         if marks == "stopped":  # the setup stopped for the others' outcome, not its own
             kind, detail = Kind.PASSED, None
-        return self._exchange(Point.SETUP, self._seq, kind, detail=detail)
+        return self._exchange(Point.SETUP, self._seq, kind, detail=detail,
+                              failure=_outcomes.summary(detail))
 
     def _agree_on_the_end(self, reports: List[pytest.TestReport]) -> None:
         """One round for the call (where the setup passed) and the teardown."""
         kinds = [_outcomes.kind_of(r) for r in reports]
         details = {r.when: _outcomes.detail_of(r, k) for r, k in zip(reports, kinds)}
         done = self._exchange(Point.END, self._seq, kinds[0], kinds[-1],
-                              details if any(details.values()) else None)
+                              details if any(details.values()) else None,
+                              failure="\n".join(filter(None, map(_outcomes.summary,
+                                                                  details.values()))))
         if done is None:
             for report in reports:
                 if report.passed:
@@ -201,11 +218,16 @@ class MpiSession:
             _outcomes.apply(report, _kinds(done, column), phase, self.rank)
 
     def _exchange(self, point: Point, seq: int = 0, code: int = 0, extra: int = 0,
-                  detail: Any = None) -> Optional[Round]:
+                  detail: Any = None, failure: str = "") -> Optional[Round]:
         """A round with the other ranks; None once some rank has left the session (then this
-        one stops after the current test, and reports no more)."""
+        one stops after the current test, and reports no more). ``code`` (and, at the end of
+        a test, ``extra``) is this rank's outcome, ``failure`` what went wrong, if anything,
+        for the hang guard's report."""
         if self._final is not None:
             return None
+        outcome = {Point.MARKS: code, Point.SETUP: code, Point.END: code or extra}
+        self.guard.at(position(seq, _STEP[point]), IN_ROUND, Kind(outcome.get(point, 0)),
+                      failure)
         done = self.rounds.exchange(point, seq, code, extra, detail)
         left = done.final_ranks()
         if left:
@@ -221,10 +243,10 @@ class MpiSession:
     def _out_of_step(self, done: Round) -> None:
         where = "; ".join(f"rank {r}: {Point(p).name.lower()} #{s}" for r, (p, s) in
                           enumerate(done.table[:, [POINT, SEQ]]))
-        sys.stderr.write(f"cupycomm.testing: the ranks are out of step ({where}); a plugin "
-                         f"that reruns or reorders tests on some ranks only? aborting\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(pytest.ExitCode.INTERNAL_ERROR)
+        stream = report_stream()
+        stream.write(f"cupycomm.testing: the ranks are out of step ({where}); a plugin "
+                     f"that reruns or reorders tests on some ranks only? aborting\n")
+        abort_world(pytest.ExitCode.INTERNAL_ERROR)
 
     # -- the end ----------------------------------------------------------------------------------
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -249,8 +271,15 @@ class MpiSession:
         if self._final is None and pending is not None and pending.final_ranks():
             self._final = pending
         if self._final is None:
-            self._final = self.rounds.exchange(Point.FINAL, code=int(session.exitstatus),
+            status = int(session.exitstatus)
+            # Stopped on its own (interrupted, an internal error): others may be in a test.
+            alone = status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED,
+                                   pytest.ExitCode.NO_TESTS_COLLECTED)
+            self.guard.at(END_OF_SESSION, IN_ROUND, Kind.FAILED if alone else Kind.PASSED,
+                          self._ending or f"exit status {status}")
+            self._final = self.rounds.exchange(Point.FINAL, code=status,
                                                detail=self._ending or None)
+        self.guard.at(END_OF_SESSION, FINISHED)
         self.guard.disarm()
         table = self._final.table
         codes = [int(c) if p == Point.FINAL else pytest.ExitCode.INTERRUPTED

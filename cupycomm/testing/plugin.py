@@ -4,27 +4,33 @@
 With more than one rank, the ranks act as one session (see ``_session``): rank 0 prints the
 one report, a test fails if it fails on any rank, skips and collection agree, a hanging test
 ends the job at its timeout with every rank's stack, and every rank exits with the job's
-status. In one process the plugin adds a header line, the markers and the fixtures.
+status. In one process the plugin adds a header line, the markers and the fixtures (the
+timeout is not enforced there: no peer can leave a test waiting).
 
 Markers: ``mpi(min_size=N, max_size=M)``, ``mpi_timeout(seconds)``, ``gpu``.
 Options: ``--mpi-timeout=SECONDS`` or the ini value ``mpi_timeout`` (default 60; 0: none).
 Fixtures: ``mpi_comm`` (a fresh duplicate of COMM_WORLD), ``cupycomm_comm`` (a fresh
-cupycomm communicator), each for one test.
+cupycomm communicator), each for one test. Making a communicator is collective, so both are
+made before any fixture of the test: a fixture that skips or fails on some ranks only cannot
+keep the others waiting in it.
 """
 from __future__ import annotations
 
+import os
 import platform
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy
 import pytest
 from mpi4py import MPI
 
 import cupycomm
+from cupycomm import _bootstrap
 
 from ._session import TIMEOUT, MpiSession
 
 _FAILED = pytest.StashKey[bool]()  # on an item: its setup or call failed on this rank
+_FRESH = pytest.StashKey[Dict[str, Any]]()  # on an item: its communicators not yet handed out
 _KEPT = pytest.StashKey[List[Any]]()  # communicators of failed tests, never freed
 _DEFAULT = pytest.StashKey[float]()  # the session's timeout per test
 _DEFAULT_TIMEOUT = "60"
@@ -60,6 +66,9 @@ def pytest_configure(config: pytest.Config) -> None:
     timeout = _seconds(config.getini("mpi_timeout") if value is None else value, "mpi_timeout")
     config.stash[_DEFAULT] = timeout
     if MPI.COMM_WORLD.Get_size() > 1:
+        # The watchdog's abort message and stacks must reach the terminal: pytest's capture
+        # of fd 2, where sys.stderr writes during a test, is lost when the job aborts.
+        _bootstrap.report_to(os.fdopen(os.dup(2), "w"))
         config.pluginmanager.register(MpiSession(config, timeout), "cupycomm-mpi-session")
 
 
@@ -74,7 +83,10 @@ def pytest_report_header(config: pytest.Config) -> Optional[str]:
              f"{'.'.join(map(str, version))}, MPI {'.'.join(map(str, MPI.Get_version()))})",
              f"mpi4py {mpi4py.__version__}", f"NumPy {numpy.__version__}", _cupy_versions(),
              f"Python {platform.python_version()}"]
-    return f"cupycomm.testing: {', '.join(parts)}; mpi_timeout {config.stash[_DEFAULT]:g} s"
+    timeout = f"mpi_timeout {config.stash[_DEFAULT]:g} s"
+    if size == 1:
+        timeout += " (not enforced in one process)"
+    return f"cupycomm.testing: {', '.join(parts)}; {timeout}"
 
 
 def _cupy_versions() -> str:
@@ -114,6 +126,44 @@ def pytest_runtest_makereport(item: pytest.Item) -> Iterator[Any]:
     return report
 
 
+# The per-test communicators: how each is made and freed.
+_MAKERS: Dict[str, Callable[[], Any]] = {
+    "mpi_comm": MPI.COMM_WORLD.Dup,
+    "cupycomm_comm": lambda: cupycomm.init(MPI.COMM_WORLD),
+}
+
+
+def _free(comm: Any) -> None:
+    (comm.close if isinstance(comm, cupycomm.Communicator) else comm.Free)()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Make the test's communicators now, on every rank, before its fixtures run: one that
+    skips or fails on some ranks would otherwise keep the others in a collective forever.
+    (With several ranks this runs after the ranks agreed on the test's marks.)"""
+    names = [name for name in _MAKERS if name in getattr(item, "fixturenames", ())]
+    if names:
+        item.stash[_FRESH] = {name: _MAKERS[name]() for name in names}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """Release the communicators that no fixture took (a fixture before it failed)."""
+    try:
+        return (yield)
+    finally:
+        for comm in item.stash.get(_FRESH, {}).values():
+            _release(item, comm, lambda comm=comm: _free(comm))
+        item.stash[_FRESH] = {}
+
+
+def _fresh(request: pytest.FixtureRequest, name: str) -> Any:
+    """The communicator made for this test, or a new one (for a test that asked for the
+    fixture by name at run time; making it then is collective)."""
+    made = request.node.stash.get(_FRESH, {})
+    return made.pop(name) if name in made else _MAKERS[name]()
+
+
 @pytest.fixture
 def mpi_comm(request: pytest.FixtureRequest) -> Iterator[MPI.Comm]:
     """A duplicate of COMM_WORLD for this test alone, so that a test that failed half way
@@ -124,7 +174,7 @@ def mpi_comm(request: pytest.FixtureRequest) -> Iterator[MPI.Comm]:
         def test_sum(mpi_comm):
             assert mpi_comm.allreduce(1) == mpi_comm.Get_size()
     """
-    comm = MPI.COMM_WORLD.Dup()
+    comm = _fresh(request, "mpi_comm")
     yield comm
     release(request, comm, comm.Free)
 
@@ -139,7 +189,7 @@ def cupycomm_comm(request: pytest.FixtureRequest) -> Iterator[cupycomm.Communica
             x = numpy.ones(3)
             assert (cupycomm_comm.all_reduce(x) == cupycomm_comm.size).all()
     """
-    comm = cupycomm.init(MPI.COMM_WORLD)
+    comm = _fresh(request, "cupycomm_comm")
     yield comm
     release(request, comm, comm.close)
 
@@ -159,8 +209,12 @@ def release(request: pytest.FixtureRequest, comm: Any, free: Any) -> None:
             yield communicator
             release(request, communicator, communicator.close)
     """
-    if request.node.stash.get(_FAILED, False):
-        request.config.stash[_KEPT].append(comm)
+    _release(request.node, comm, free)
+
+
+def _release(item: Any, comm: Any, free: Callable[[], None]) -> None:
+    if item.stash.get(_FAILED, False):
+        item.config.stash[_KEPT].append(comm)
     else:
         free()
 
