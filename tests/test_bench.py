@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -603,6 +604,26 @@ def test_run_matrix_runs_with_nothing_on_path_and_leaves_no_file_when_a_run_fail
                             env=env, timeout=120)
     assert failed.returncode == 1 and "1 ranks failed" in failed.stderr
     assert list(out_dir.iterdir()) == []
+    # Interrupted midway: the run stops with it, and no partial table is left.
+    running = subprocess.Popen(["bash", script, "all_reduce", "-n", "100000", "--no-progress"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = out_dir / "box_today_host_n1.txt.tmp"
+    for _ in range(600):
+        if partial.exists() or running.poll() is not None:
+            break
+        time.sleep(0.05)
+    running.terminate()
+    assert running.wait(timeout=60) != 0
+    assert list(out_dir.iterdir()) == []
+    assert not [cmdline for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+                if _reads(cmdline) and str(out_dir) in _reads(cmdline)]
+
+
+def _reads(path):
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:   # the process has just ended
+        return ""
 
 
 def test_coalesced_row_cuts_the_buffer_into_views_of_1_kib():
