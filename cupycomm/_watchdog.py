@@ -68,7 +68,7 @@ POINT_TO_POINT = frozenset({"send", "recv", "sendrecv", "batch"})
 _CODE = {name: code for code, name in enumerate(COLLECTIVES, start=1)}
 INTERVAL = 0.1       # seconds between two looks
 GRACE = 2.0          # seconds a collective may wait after a peer left before issuing it
-HOLD_MARGIN = (10.0, 30.0)   # the GIL may be held this much (bounds) past the largest timeout
+HOLD_MARGIN = (10.0, 30.0)   # the GIL may be held this much (bounds) past a waiting timeout
 
 
 class Tracker:
