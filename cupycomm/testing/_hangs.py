@@ -43,7 +43,7 @@ __all__ = ["HangGuard", "HostBoard", "EXIT_CODE", "FAILED_WAIT", "RUNNING", "IN_
            "FINISHED", "position", "END_OF_SESSION"]
 
 EXIT_CODE = 1  # a hang is a test failure
-FAILED_WAIT = 3.0  # seconds a rank may stay inside a test after another failed it
+FAILED_WAIT = 5.0  # seconds a rank may stay inside a test after another failed it
 _GRACE = 2.0
 _STACK_WAIT = 1.0  # the longest wait for one rank's stack
 _LOOK = 0.1  # seconds between two looks at the board
