@@ -112,7 +112,9 @@ def install_abort_handler() -> None:
         text = "".join(traceback.format_exception(kind, value, tb))
         report_stream().write(f"cupycomm: uncaught exception on {describe_rank()}; "
                               f"aborting the MPI job\n{text}")
-        close_all()
+        # No close_all() here: closing waits for calls in flight (a dropped receive whose
+        # sender will never send would hold the abort until the timeout); MPI_Abort ends
+        # every process, which frees what they hold.
         abort_world()
         previous(kind, value, tb)  # only reached if Abort returned
 

@@ -103,10 +103,17 @@ class Tracker:
 
     def expired(self, label: str, timeout: float) -> None:
         """``Work.wait(timeout=)`` ran out on the host: MPI cannot cancel, so end the job."""
-        name, at = _call(label, self.seq)
+        name, at, _, arrivals = self.arrivals(label)
         abort_job(f"{name} #{at} on communicator {self.name} did not complete within "
                   f"the {timeout:g} s given to wait() on {describe_rank()}; "
-                  f"{self._arrivals(at, name)}; MPI cannot cancel a collective")
+                  f"{arrivals}; MPI cannot cancel a collective")
+
+    def arrivals(self, label: str) -> tuple:
+        """(collective, its number, the ranks on this node that have not issued it, a text
+        saying how far each rank has got) for ``label``, a call or a Work's label."""
+        name, at = _call(label, self.seq)
+        late, text = self._arrivals(at, name)
+        return name, at, late, text
 
     # -- called by the watchdog thread ------------------------------------------------------------
     def check(self, now: float) -> bool:
@@ -123,7 +130,7 @@ class Tracker:
             if waited > self.timeout:
                 abort_job(f"{name} #{at} on communicator {self.name} has waited "
                           f"{waited:.0f} s (timeout {self.timeout:g} s) on {describe_rank()}; "
-                          f"{self._arrivals(at, name)}; MPI cannot cancel a collective")
+                          f"{self._arrivals(at, name)[1]}; MPI cannot cancel a collective")
             elif self.board is not None:
                 self._check_peers(name, at, now)
         elif self.device is not None and self.device.has_pending_work():
@@ -171,11 +178,12 @@ class Tracker:
             sys.stderr.flush()
         self._waiting = None
 
-    def _arrivals(self, at: int, name: str) -> str:
-        """Which ranks on this node have not issued collective ``at`` yet, and which are
-        blocked in another collective of that number (ranks that called different ones)."""
+    def _arrivals(self, at: int, name: str) -> tuple:
+        """(ranks on this node that have not issued collective ``at`` yet, a text naming them
+        and those blocked in another collective of that number: ranks that called different
+        ones)."""
         if self.board is None:
-            return "no other rank's progress is known"
+            return [], "no other rank's progress is known"
         late, behind, elsewhere = [], [], []
         for row in self.board.peers():
             doing = COLLECTIVES[row[BUSY] - 1] if row[BUSY] else ""
@@ -195,7 +203,7 @@ class Tracker:
         others = self.size - len(self.board.rows)
         if others:
             text += f"; {others} ranks on other nodes: not known here"
-        return text
+        return late, text
 
 
 def _call(busy: str, seq: int) -> tuple:

@@ -131,14 +131,38 @@ def test_asynchronous_nccl_error_surfaces_while_waiting(dcomm):
 def test_device_timeout_aborts_the_nccl_communicator(dcomm):
     held = sd.Stream(non_blocking=True, deferred=True)
     work = dcomm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)
-    with pytest.raises(cupycomm.CollectiveTimeout, match=r"all_reduce: not completed after "
-                                                         r"0.2 s .* NCCL communicator was aborted"):
+    seq = dcomm._tracker.seq
+    with pytest.raises(cupycomm.CollectiveTimeout,
+                       match=rf"all_reduce #{seq}: not completed after 0.2 s on rank \d+; .*"
+                             rf"the NCCL communicator was aborted") as raised:
         work.wait(timeout=0.2)
+    assert (raised.value.collective, raised.value.seq) == ("all_reduce", seq)
     held.pending.clear()
     assert not dcomm._nccl._comm._alive
     with pytest.raises(cupycomm.NcclError, match="aborted"):
         dcomm.all_reduce(sd.asarray(np.ones(2)))
     dcomm.all_reduce(np.ones(2))   # the host backend is untouched
+
+
+def test_device_timeout_names_the_ranks_that_never_issued_the_call():
+    if MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("needs ranks that do not arrive; ran with 1")
+    with STANDIN.comm() as comm:
+        comm.init_device()
+        if comm.rank == 0:   # the others never issue it
+            held = sd.Stream(non_blocking=True, deferred=True)
+            work = comm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)
+            time.sleep(0.3)   # the watchdog publishes every rank's progress every 0.1 s
+            with pytest.raises(cupycomm.CollectiveTimeout,
+                               match=r"all_reduce #\d+: .*ranks not arrived: \[1") as raised:
+                work.wait(timeout=0.2)
+            assert raised.value.missing == tuple(range(1, comm.size))
+            held.pending.clear()
+            for peer in range(1, comm.size):
+                comm.mpi_comm.send("done", dest=peer)
+        else:   # in no collective of the communicator (a raw MPI receive is not one)
+            assert comm.mpi_comm.recv(source=0) == "done"
+        comm.barrier()
 
 
 @pytest.mark.gpu

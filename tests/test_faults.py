@@ -41,6 +41,17 @@ def test_an_exception_on_one_rank_aborts_the_job_with_its_traceback():
     no_rank_finished(job)
 
 
+def test_the_abort_does_not_wait_for_calls_in_flight():
+    """The abort on an exception ends the job at once, without waiting (until the timeout)
+    for a receive whose sender never sends."""
+    job = run("raise-with-receive-pending")
+    ended_quickly(job)
+    assert job.returncode != 0
+    assert "RuntimeError: deliberate failure with a receive in flight" in job.output
+    assert "has waited" not in job.output, job.output   # no timeout was needed to end it
+    no_rank_finished(job)
+
+
 def test_a_rank_that_calls_sys_exit_0_is_named():
     job = run("sys-exit-0")
     ended_quickly(job)

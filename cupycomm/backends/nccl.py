@@ -310,11 +310,13 @@ class NcclBackend:
         self._nccl(self._comm.check_async_error, "asynchronous error")
 
     def expired(self, label: str, timeout: float) -> None:
-        self.abort(f"{label} timed out after {timeout:g} s")
+        name, at, late, arrivals = self._tracker.arrivals(label)
+        self.abort(f"{name} #{at} timed out after {timeout:g} s")
         raise CollectiveTimeout(
-            f"{label}: not completed after {timeout:g} s on rank {self._rank}; the NCCL "
-            f"communicator was aborted (ncclCommAbort), this communicator cannot run device "
-            f"collectives any more", collective=label)
+            f"{name} #{at}: not completed after {timeout:g} s on rank {self._rank}; "
+            f"{arrivals}; the NCCL communicator was aborted (ncclCommAbort), this "
+            f"communicator cannot run device collectives any more",
+            collective=name, seq=at, missing=late)
 
     def abort(self, reason: str) -> bool:
         """Abort the NCCL communicator: its pending operations end, it cannot be used again.

@@ -56,6 +56,9 @@ def main(name: str) -> None:
     comm.all_reduce(x)                       # everyone is up: the fault comes after this
     if name == "raise-before-collective" and culprit:
         raise RuntimeError("deliberate failure before the collective")
+    if name == "raise-with-receive-pending" and culprit:
+        comm.irecv(np.empty(4), 0)   # dropped at once; rank 0 will never send
+        raise RuntimeError("deliberate failure with a receive in flight")
     if name == "sys-exit-0" and culprit:
         sys.exit(0)
     if name == "os-exit-0" and culprit:
