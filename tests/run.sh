@@ -14,7 +14,11 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
     . .venv/bin/activate
 fi
 python -m pip install -q --upgrade pip
-python -m pip install -q -e '.[test]'
+# The CUDA extra only where no CuPy is installed yet: a GPU machine set up with '.[cuda13]'
+# keeps its CuPy; elsewhere cuda12 (it imports without a GPU, and CUDA 13 drivers run it).
+extras=test
+python -c 'import cupy' 2>/dev/null || extras=test,cuda12
+python -m pip install -q -e ".[$extras]"
 
 status=0
 run() {
