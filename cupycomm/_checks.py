@@ -43,9 +43,13 @@ class Checks:
         ``movements[dtype]`` without ``op``. For a foreign array, the array is a NumPy/CuPy
         view of it and the backend maps results back."""
         b = self._backends.get(type(x))
-        if (b is None or not x.flags.c_contiguous
-                or (b.device_id is not None and x.device.id != b.device_id)
-                or (writes and b.device_id is None and not x.flags.writeable)):
+        if b is None:
+            b, x = self._take_slowly(name, arg, x, collective, writes)
+        elif b.device_id is None:
+            flags = x.flags
+            if not flags.c_contiguous or (writes and not flags.writeable):
+                b, x = self._take_slowly(name, arg, x, collective, writes)
+        elif not x.flags.c_contiguous or x.device.id != b.device_id:
             b, x = self._take_slowly(name, arg, x, collective, writes)
         try:
             if op is None:

@@ -49,7 +49,9 @@ DEFAULT_TIMEOUT = 600.0
 Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment variable."""
 
 Op = Union[ReduceOp, str]
-_SUM = ReduceOp.SUM
+# The default op is the plain string: a str subclass (a ReduceOp member) is hashed by a slow
+# generic path in every table lookup, and this lookup is on every collective's call path.
+_SUM = "sum"
 
 
 class _Stacked(dict):
