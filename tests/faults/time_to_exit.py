@@ -15,10 +15,10 @@ from pathlib import Path
 
 from cupycomm.testing import no_auto_cleanup, run_mpiexec
 
-SCENARIOS = ["raise-before-collective", "sys-exit-0", "os-exit-0", "sigkill", "never-arrives",
-             "hold-gil", "hold-gil-idle", "debug-mismatch-count", "debug-mismatch-dtype", "debug-mismatch-op",
-             "debug-mismatch-root", "mismatch-count", "mismatch-dtype", "mismatch-op",
-             "mismatch-root"]
+SCENARIOS = ["raise-before-collective", "raise-with-receive-pending", "sys-exit-0", "os-exit-0",
+             "sigkill", "never-arrives", "hold-gil", "hold-gil-idle", "debug-mismatch-count",
+             "debug-mismatch-dtype", "debug-mismatch-op", "debug-mismatch-root", "mismatch-count",
+             "mismatch-dtype", "mismatch-op", "mismatch-root"]
 SCRIPT = str(Path(__file__).resolve().parent / "scenario.py")
 CASES = Path(__file__).resolve().parent.parent / "plugin_cases"
 PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-q"]
