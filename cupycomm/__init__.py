@@ -8,7 +8,7 @@ from .communicator import DEFAULT_TIMEOUT, Communicator, init
 from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, NcclError,
                      PeerLost)
 from . import devices
-from .prefetch import prefetch
+from .devices import prefetch
 from .work import Work
 
 __version__ = "0.1.0"

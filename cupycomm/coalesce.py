@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ._checks import _kind
+from ._dispatch import _kind
 from .work import Work, WorkGroup
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_coalesced", "Bucket", "Plan", "Staging",

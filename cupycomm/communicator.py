@@ -33,11 +33,12 @@ from typing import Any, Iterator, List, Optional, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
-from . import _bootstrap, _debug, coalesce, objects
+from . import _bootstrap, coalesce, objects
+from .faults import debug as _debug
 from ._dtypes import ReduceOp
-from ._board import NodeBoard
-from ._checks import Checks
-from ._watchdog import Tracker, unwatch, watch
+from .faults.board import NodeBoard
+from ._dispatch import Checks
+from .faults.watchdog import Tracker, unwatch, watch
 from .batch import Batch
 from .backends.mpi import MPIBackend
 from .work import Work

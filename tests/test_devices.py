@@ -15,7 +15,8 @@ import cupycomm
 from cupycomm.coalesce import runs_by_dtype
 import nccl_standin as sd
 from arrays import GPU, GPU_SKIP_REASON, STANDIN, lib_params, rank_input, reduce_reference
-from cupycomm import _transfer, devices
+from cupycomm import devices
+from cupycomm.devices import comm as device_comm, copies as device_copies
 
 DTYPES = list(cupycomm.DTYPES)
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,7 +309,7 @@ def test_gather_waits_for_each_parts_stream(standin, held):
 
 
 def test_nccl_paths_run_in_groups_on_each_devices_current_stream(standin, monkeypatch):
-    monkeypatch.setattr(_transfer, "_kept", {})   # no communicators from earlier tests
+    monkeypatch.setattr(device_copies, "_kept", {})   # no communicators from earlier tests
     before = sd.init_all_calls
     x = sd.asarray(np.arange(4.0))
     producer = sd.Stream(non_blocking=True, deferred=True)
@@ -498,9 +499,9 @@ def test_bad_input_is_refused_before_anything_moves(standin, monkeypatch, call, 
         with sd.Device(device):
             return sd.asarray(a)
     moved = []
-    monkeypatch.setattr(_transfer, "move", lambda *a, **k: moved.append(a))
-    monkeypatch.setattr(_transfer, "nccl_group", lambda *a, **k: moved.append(a))
-    monkeypatch.setattr(devices, "move", lambda *a, **k: moved.append(a))
+    monkeypatch.setattr(device_copies, "move", lambda *a, **k: moved.append(a))
+    monkeypatch.setattr(device_copies, "nccl_group", lambda *a, **k: moved.append(a))
+    monkeypatch.setattr(device_comm, "move", lambda *a, **k: moved.append(a))
     with pytest.raises(kind, match=pattern):
         call(put)
     assert not moved

@@ -102,7 +102,7 @@ def test_large_arrays_are_staged_by_several_threads():
     for got, expected in zip(cupycomm.prefetch(big, 0, device_module=sd), big):
         assert_same(got, expected, device=0)
     if (os.cpu_count() or 1) > 1:
-        assert sys.modules["cupycomm.prefetch"]._threads is not None
+        assert sys.modules["cupycomm.devices.prefetch"]._threads is not None
 
 
 def test_the_consumer_stream_waits_for_the_copy():

@@ -11,8 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from cupycomm import _bootstrap
-from cupycomm._board import CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
-from cupycomm._watchdog import (COLLECTIVES, GRACE, HOLD_MARGIN, Tracker, _Watchdog, abort_job,
+from cupycomm.faults.board import CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
+from cupycomm.faults.watchdog import (COLLECTIVES, GRACE, HOLD_MARGIN, Tracker, _Watchdog, abort_job,
                                 unwatch)
 from cupycomm.backends.mpi import MPIBackend
 
@@ -76,7 +76,7 @@ def test_inside_marks_and_clears_even_on_error():
 def test_a_blocking_call_that_waits_past_the_timeout_is_judged_a_hang(monkeypatch):
     tracker = Tracker("test", 0, 2, timeout=1.0)
     aborted = []
-    monkeypatch.setattr("cupycomm._watchdog.abort_job", aborted.append)
+    monkeypatch.setattr("cupycomm.faults.watchdog.abort_job", aborted.append)
     tracker.seq, tracker.busy = 5, "all_reduce"
     tracker.check(now=10.0)
     tracker.check(now=10.5)
@@ -100,7 +100,7 @@ def node(monkeypatch):
     rows[0, [RANK, PID]] = 0, os.getpid()
     rows[1, [RANK, PID]] = 1, os.getppid()
     aborted = []
-    monkeypatch.setattr("cupycomm._watchdog.abort_job", aborted.append)
+    monkeypatch.setattr("cupycomm.faults.watchdog.abort_job", aborted.append)
     tracker = Tracker("test", 0, 2, timeout=1000.0, board=_board(rows, 0))
     return tracker, _board(rows, 1), aborted
 
@@ -226,7 +226,7 @@ def test_the_backstop_is_armed_only_while_a_call_waits(monkeypatch):
 def test_abort_job_reports_where_it_is_told(tmp_path, monkeypatch):
     """Under the plugin the report goes to the terminal's descriptor, not to sys.stderr
     (pytest's capture, lost when the job aborts)."""
-    monkeypatch.setattr("cupycomm._watchdog.abort_world", lambda: None)
+    monkeypatch.setattr("cupycomm.faults.watchdog.abort_world", lambda: None)
     with open(tmp_path / "terminal", "w") as terminal:
         _bootstrap.report_to(terminal)
         try:

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, TextIO, Tuple
 
 import numpy as np
 
-from .._board import alive, shared_directory
+from ..faults.board import alive, shared_directory
 from .._bootstrap import abort_world
 from ._outcomes import Kind, ranks_label
 

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
-from cupycomm import _watchdog
+from cupycomm.faults import watchdog as _watchdog
 
 
 def hold_the_gil(seconds: int) -> None:

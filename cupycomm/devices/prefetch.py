@@ -9,9 +9,9 @@ from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
-from ._dtypes import DTYPES
-from ._placement import HOST, Lib, brief
-from ._tree import map_arrays, path_text
+from .._dtypes import DTYPES
+from .places import HOST, Lib, brief
+from .nested import map_arrays, path_text
 
 __all__ = ["prefetch", "Prefetcher"]
 

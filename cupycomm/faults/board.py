@@ -18,7 +18,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import _bootstrap
+from .. import _bootstrap
 
 __all__ = ["NodeBoard", "alive", "shared_directory", "RANK", "PID", "LEFT", "SEQ", "BUSY",
            "BUSY_SEQ", "LEFT_AT", "CLOSED", "EXITING"]

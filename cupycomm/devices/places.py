@@ -13,10 +13,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _bootstrap
-from ._dtypes import DTYPES
-from ._tree import map_arrays, path_text
-from ._checks import _kind
+from .. import _bootstrap
+from .._dtypes import DTYPES
+from .nested import map_arrays, path_text
+from .._dispatch import _kind
 
 __all__ = ["HOST", "Place", "Lib", "describe", "brief", "with_length"]
 

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
-from ._placement import HOST, Lib, Place, brief, describe, with_length
-from .coalesce import runs_by_dtype, views_of
-from ._transfer import (Copy, Order, broadcast_arrays, keep, move, starts, sum_arrays, whole)
+from .places import HOST, Lib, Place, brief, describe, with_length
+from ..coalesce import runs_by_dtype, views_of
+from .copies import (Copy, Order, broadcast_arrays, keep, move, starts, sum_arrays, whole)
 
 __all__ = ["broadcast", "broadcast_coalesced", "scatter", "gather", "reduce_add",
            "reduce_add_coalesced", "parallel_apply", "count", "HOST", "BUFFER_BYTES"]

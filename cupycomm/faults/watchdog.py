@@ -7,7 +7,7 @@ reading the locals of a frame that another thread is running can crash the inter
 daemon thread per process (started by the first communicator of more than one rank) looks
 ten times a second and:
 
-- publishes the tracker to the communicator's node board (:mod:`cupycomm._board`), so that
+- publishes the tracker to the communicator's node board (:mod:`cupycomm.faults.board`), so that
   peers on this node can see how far this rank has got;
 - when a blocking host call has waited longer than the communicator's timeout: prints which
   collective, its sequence number, which ranks on this node have not arrived and which are
@@ -53,9 +53,9 @@ import weakref
 from typing import Any, Iterator, Optional
 
 
-from . import _board
-from ._board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
-from ._bootstrap import abort_world, describe_rank, report_stream
+from . import board as _board
+from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
+from .._bootstrap import abort_world, describe_rank, report_stream
 
 __all__ = ["Tracker", "watch", "unwatch", "abort_job",
            "COLLECTIVES", "GRACE", "INTERVAL", "HOLD_MARGIN"]

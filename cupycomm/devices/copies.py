@@ -14,10 +14,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ._dtypes import NCCL_INT8, ReduceOp
-from ._placement import HOST, Lib, Place
-from .backends.nccl import NcclBackend
-from .errors import NcclError
+from .._dtypes import NCCL_INT8, ReduceOp
+from .places import HOST, Lib, Place
+from ..backends.nccl import NcclBackend
+from ..errors import NcclError
 
 __all__ = ["keep", "starts", "Order", "Copy", "whole", "move", "nccl_group", "broadcast_arrays",
            "sum_arrays"]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .errors import CollectiveMismatch
+from ..errors import CollectiveMismatch
 
 __all__ = ["CHECKED", "install"]
 

@@ -1,0 +1,1 @@
+"""What happens when a rank goes wrong."""
