@@ -1,47 +1,35 @@
-"""Argument checks of the Communicator: fast checks on the call path, explanations off it.
+"""Which backend takes an array: the call path's first step, foreign arrays as NumPy/CuPy views,
+and the NCCL communicator made on the first device array.
 
-Every check runs on the calling rank before any communication. The fast path of ``take``
-is a few dictionary lookups and attribute reads; everything that explains an error, adopts a
-new array type or converts a foreign array runs only when the fast path fails.
-
-Messages name the collective, the argument, the value and the rank, e.g.
-``all_gather: out has shape (6,), expected (4, 3) or (12,) on rank 3``.
+The fast path of :meth:`Dispatch._take` is a dictionary lookup by the array's type, a read
+of its flags and the spec lookup by dtype (and op); everything that explains an error, adopts
+a new array type or converts a foreign array runs only when the fast path fails.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from . import _bootstrap, _foreign
-from ._dtypes import DTYPES, op_error
-from .errors import CommClosedError
+from ._dtypes import DTYPES
+from ._validate import arg_name, kind_name
 
-__all__ = ["Checks"]
-
-
-def _kind(x: Any) -> str:
-    return f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
+__all__ = ["Dispatch"]
 
 
-def _arg(arg: Any) -> str:
-    """An argument's name for a message: ``"x"``, or ``("arrays", 3)`` for ``arrays[3]``
-    (a loop over many arrays passes tuples: the text is only made for an error)."""
-    return arg if isinstance(arg, str) else f"{arg[0]}[{arg[1]}]"
+class Dispatch:
+    """Dispatch mixed into :class:`cupycomm.Communicator`; it reads and writes the state its
+    docstring lists (``_backends`` by array type, ``_cupy``, ``_nccl`` via ``init_device``)."""
 
-
-class Checks:
-    """The checks, mixed into :class:`cupycomm.Communicator` (they read its ranks, its
-    backends by array type and its open/closed state)."""
-
-    # -- arrays -----------------------------------------------------------------------------------
     def _take(self, name: str, arg: str, x: Any, op: Any = None, collective: bool = True,
               writes: bool = False) -> Tuple[Any, Any, Any]:
         """(backend, array, spec) for argument ``arg``, after every check of the array alone
         (that it is writable too if the call ``writes`` into it), and of ``op`` for its dtype
         when ``op`` is given. The spec is the backend's ``reductions[dtype][op]``, or
         ``movements[dtype]`` without ``op``. For a foreign array, the array is a NumPy/CuPy
-        view of it and the backend maps results back."""
+        view of it and the backend a :class:`~cupycomm._foreign.Foreign` that maps results
+        back."""
         b = self._backends.get(type(x))
         if b is None:
             b, x = self._take_slowly(name, arg, x, collective, writes)
@@ -63,18 +51,21 @@ class Checks:
     def _take_slowly(self, name: str, arg: Any, x: Any, collective: bool,
                      writes: bool) -> Tuple[Any, Any]:
         self._check_open(name)
-        arg = _arg(arg)
+        arg = arg_name(arg)
         b = self._backends.get(type(x))
         if b is None:
             kind = self._classify(x)
             if kind is None:
-                native = _foreign.to_native(x, self._device_module)
+                try:
+                    native = _foreign.to_native(x, self._device_module)
+                except _foreign.Unsupported as why:
+                    raise self._fail(TypeError, name, f"{arg} {why}") from None
                 if native is None:
                     raise self._fail(TypeError, name, f"{arg} must be a NumPy or CuPy array "
                                                       f"(or expose the buffer protocol, "
                                                       f"__array_interface__, "
                                                       f"__cuda_array_interface__ or "
-                                                      f"__dlpack__), got {_kind(x)}")
+                                                      f"__dlpack__), got {kind_name(x)}")
                 inner, native = self._take_slowly(name, arg, native, collective, writes)
                 return _foreign.Foreign(inner, native, x), native
             b = self._adopt(name, kind, x, collective)
@@ -134,23 +125,6 @@ class Checks:
         """NumPy for the host backend, the device module (CuPy) for the device backend."""
         return np if getattr(b, "inner", b) is self._host else self._cupy
 
-    # -- arguments that must match the input ------------------------------------------------------
-    def _check_out(self, name: str, arg: str, b: Any, out: Any, like: Any,
-                   shapes: Sequence[tuple], expected: str = "", writes: bool = True) -> Any:
-        """``out`` as an array of ``like``'s kind and dtype with one of ``shapes`` (and
-        writable, unless the call only reads it: ``writes=False``)."""
-        if (type(out) is type(like) and out.dtype is like.dtype and out.shape in shapes
-                and out.flags.c_contiguous
-                and (out.device.id == b.device_id if b.device_id is not None
-                     else not writes or out.flags.writeable)):
-            return out
-        out = self._check_kind(name, arg, b, out, like, writes)
-        if out.shape not in shapes:
-            want = " or ".join(str(s) for s in shapes)
-            raise self._fail(ValueError, name, f"{arg} has shape {out.shape}, expected "
-                                               f"{want}{expected}")
-        return out
-
     def _check_kind(self, name: str, arg: str, b: Any, other: Any, like: Any,
                     writes: bool = True) -> Any:
         """``other`` as an array that passes every check (writable if ``writes``) and matches
@@ -164,9 +138,9 @@ class Checks:
         mixed = (getattr(known, "inner", known) is not own if known is not None
                  else (self._classify(native) == "host") != (own is self._host))
         if mixed:
-            raise self._fail(TypeError, name, f"{arg} is {_kind(other)} but the input is "
-                                              f"{_kind(like)}; one call takes host arrays or "
-                                              f"device arrays, not both")
+            raise self._fail(TypeError, name, f"{arg} is {kind_name(other)} but the input is "
+                                              f"{kind_name(like)}; one call takes host arrays "
+                                              f"or device arrays, not both")
         self._take(name, arg, native, writes=writes)
         if native.dtype != like.dtype:
             raise self._fail(TypeError, name, f"{arg} has dtype {native.dtype}, expected "
@@ -174,84 +148,3 @@ class Checks:
         if native is not other and isinstance(b, _foreign.Foreign):
             b.remember(native, other)
         return native
-
-    def _check_parts(self, name: str, arg: str, b: Any, parts: Sequence, like: Any,
-                     writes: bool = True) -> List:
-        """``parts`` as a list of ``size`` arrays shaped like ``like`` (written, unless
-        ``writes=False``)."""
-        if len(parts) != self.size:
-            raise self._fail(ValueError, name, f"{arg} is a list of {len(parts)} arrays, "
-                                               f"expected {self.size} (one per rank)")
-        return [self._check_out(name, f"{arg}[{j}]", b, part, like, (like.shape,),
-                                writes=writes) for j, part in enumerate(parts)]
-
-    def _check_leading_axis(self, name: str, arg: str, x: Any) -> None:
-        if x.ndim == 0 or x.shape[0] % self.size:
-            raise self._fail(ValueError, name, f"{arg} has shape {x.shape}: its leading axis "
-                                               f"must split into {self.size} equal parts "
-                                               f"(one per rank)")
-
-    def _check_splits(self, arg: str, splits: Any, rows: Optional[int]) -> List[int]:
-        """``splits`` as a list of ``size`` row counts >= 0 (adding up to ``rows`` if given)."""
-        try:
-            counts = [int(n) for n in splits]
-            valid = (len(counts) == self.size and all(n >= 0 for n in counts)
-                     and all(float(n) == c for n, c in zip(splits, counts)))
-        except (TypeError, ValueError):
-            valid = False
-        if not valid:
-            raise self._fail(ValueError, "all_to_all", f"{arg} must be {self.size} row counts "
-                                                       f">= 0 (one per rank), got {splits!r}")
-        if rows is not None and sum(counts) != rows:
-            raise self._fail(ValueError, "all_to_all", f"{arg}={counts} adds up to "
-                                                       f"{sum(counts)} rows, but x has {rows}")
-        return counts
-
-    # -- ranks, streams, state --------------------------------------------------------------------
-    def _check_rank(self, name: str, arg: str, value: Any) -> None:
-        if type(value) is int and 0 <= value < self.size:
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise self._fail(TypeError, name, f"{arg} must be an int rank, got {value!r}")
-        if not 0 <= value < self.size:
-            raise self._fail(ValueError, name, f"{arg}={value!r} is not a rank of this "
-                                               f"communicator (0..{self.size - 1})")
-
-    def _check_peer(self, name: str, arg: str, peer: Any) -> None:
-        self._check_rank(name, arg, peer)
-        if peer == self.rank and self._batch is None:
-            raise self._fail(ValueError, name, f"{arg}={peer} is this rank; a message to "
-                                               f"oneself needs its receive posted with it: "
-                                               f"use sendrecv or a batch() block")
-
-    def _check_stream(self, name: str, b: Any, stream: Any) -> None:
-        if b.device_id is None:
-            raise self._fail(TypeError, name, "stream= applies to device arrays only; host "
-                                              "collectives run on MPI")
-        if not isinstance(getattr(stream, "ptr", None), int):
-            raise self._fail(TypeError, name, f"stream must be a CUDA stream "
-                                              f"(cupy.cuda.Stream or ExternalStream), got "
-                                              f"{_kind(stream)}")
-
-    def _check_open(self, name: str) -> None:
-        if self._closed:
-            raise CommClosedError(f"{name}: the communicator is closed (rank {self.rank}); "
-                                  f"create a new one with cupycomm.init()")
-
-    # -- errors -----------------------------------------------------------------------------------
-    def _fail(self, kind: type, name: str, text: str) -> Exception:
-        return kind(f"{name}: {text} on rank {self.rank}")
-
-    def _dtype_error(self, name: str, arg: Any, x: Any) -> Exception:
-        supported = ", ".join(str(d) for d in DTYPES)
-        return self._fail(TypeError, name, f"{_arg(arg)} has dtype {x.dtype}, which is not "
-                                           f"supported (supported: {supported})")
-
-    def _reduction_error(self, name: str, arg: str, b: Any, x: Any, op: Any) -> Exception:
-        row = DTYPES.get(x.dtype)
-        if row is None:
-            return self._dtype_error(name, arg, x)
-        if isinstance(op, str) and op in {o.value for o in row.ops}:
-            return self._fail(ValueError, name, f"{b.name.upper()} has no {x.dtype} type to "
-                                                f"reduce; convert to a wider type")
-        return self._fail(ValueError, name, op_error(row, op))

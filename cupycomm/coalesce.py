@@ -24,11 +24,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ._dispatch import _kind
+from ._parts import views_of
+from ._validate import kind_name
 from .work import Work, WorkGroup
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_coalesced", "Bucket", "Plan", "Staging",
-           "runs_by_dtype", "views_of"]
+           "runs_by_dtype"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
 
@@ -80,8 +81,8 @@ def _runs(comm: Any, name: str, arrays: Sequence[Any], op: Any,
             backend = getattr(backend, "inner", backend)   # a foreign array's own backend
         if backend is not first:
             if first is not None:
-                raise comm._fail(TypeError, name, f"arrays[{i}] is {_kind(arrays[i])} but "
-                                                  f"arrays[0] is {_kind(arrays[0])}; one call "
+                raise comm._fail(TypeError, name, f"arrays[{i}] is {kind_name(arrays[i])} but "
+                                                  f"arrays[0] is {kind_name(arrays[0])}; one call "
                                                   f"takes host arrays or device arrays")
             first = backend
         natives.append(array)
@@ -141,22 +142,6 @@ class Plan:
         self.key = key
         self.flat = xp.empty(sum(m.size for m in members), members[0].dtype)
         self.views = views_of(self.flat, members)
-
-
-def views_of(flat: Any, members: Sequence[Any]) -> List[Any]:
-    """Consecutive views of the 1-d ``flat``, shaped as ``members`` one after another.
-
-    Example::
-
-        views_of(numpy.arange(5), [numpy.empty(2), numpy.empty((1, 3))])
-        # [array([0, 1]), array([[2, 3, 4]])]
-    """
-    views, start = [], 0
-    for member in members:
-        stop = start + member.size
-        views.append(flat[start:stop].reshape(member.shape))
-        start = stop
-    return views
 
 
 class Staging:

@@ -37,7 +37,9 @@ from . import _bootstrap, coalesce, objects
 from .faults import debug as _debug
 from ._dtypes import ReduceOp
 from .faults.board import NodeBoard
-from ._dispatch import Checks
+from ._dispatch import Dispatch
+from ._parts import JoinedShapes
+from ._validate import Validation
 from .faults.watchdog import Tracker, unwatch, watch
 from .batch import Batch
 from .backends.mpi import MPIBackend
@@ -55,29 +57,7 @@ Op = Union[ReduceOp, str]
 _SUM = "sum"
 
 
-class _Stacked(dict):
-    """part shape -> the shapes accepted for ``size`` such parts joined along axis 0:
-    stacked ``(size, *part)`` first, then concatenated ``(size * part[0], *part[1:])``.
-    Computed once per part shape: the call path only looks them up. At most :attr:`KEEP`
-    shapes are kept (then it starts over), so a program whose shapes keep changing does not
-    grow."""
-
-    KEEP = 1024
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.size = size
-
-    def __missing__(self, part: tuple) -> tuple:
-        if len(self) >= self.KEEP:
-            self.clear()
-        n = self.size
-        shapes = ((n,),) if not part else ((n,) + part, (n * part[0],) + part[1:])
-        self[part] = shapes
-        return shapes
-
-
-class Communicator(Checks):
+class Communicator(Dispatch, Validation):
     """A group of ranks that run collectives together; made by :func:`cupycomm.init`.
 
     Attributes:
@@ -117,7 +97,7 @@ class Communicator(Checks):
             watch(self._tracker)
         self._host = MPIBackend(mpi_comm, self._tracker)
         self._backends: dict = {np.ndarray: self._host}
-        self._stacked = _Stacked(self.size)
+        self._joined = JoinedShapes(self.size)
         self._device_choice = device
         self._cupy = device_module
         self._device_id: Optional[int] = None
@@ -268,13 +248,14 @@ class Communicator(Checks):
         b, x, spec = self._take("all_gather", "x", x)
         if stream is not None:
             self._check_stream("all_gather", b, stream)
-        shapes = self._stacked[x.shape]
+        shapes = self._joined[x.shape]
         if out is None:
             return b.all_gather(x, b.empty(shapes[0], x.dtype, stream), spec, async_op, stream)
         if type(out) is not type(x) and isinstance(out, (list, tuple)):
             out = self._check_parts("all_gather", "out", b, out, x)
             whole = b.empty(shapes[0], x.dtype, stream)
-            return b.all_gather(x, whole, spec, async_op, stream, list(zip(out, whole)))
+            parts = [whole[j, ...] for j in range(self.size)]   # views, 0-d ones too
+            return b.all_gather(x, whole, spec, async_op, stream, list(zip(out, parts)))
         out = self._check_out("all_gather", "out", b, out, x, shapes,
                               " (size parts shaped like x)")
         return b.all_gather(x, out, spec, async_op, stream)
@@ -386,7 +367,7 @@ class Communicator(Checks):
                 raise self._fail(ValueError, "all_to_all", f"out has shape {out.shape}, "
                                                            f"expected (rows, *{x.shape[1:]})")
             rows = out.shape[0]
-        table = self._host.gather_counts(np.array(sent + [rows], np.int64))
+        table = self._host.gather_ints(sent + [rows], "all_to_all")
         expected = table[:, :-1].sum(axis=0)   # rank j receives column j
         for j, (given, want) in enumerate(zip(table[:, -1].tolist(), expected.tolist())):
             if given not in (-1, want):
@@ -417,7 +398,7 @@ class Communicator(Checks):
             self._check_stream("scatter", b, stream)
         self._check_rank("scatter", "root", root)
         if x is not None or self.rank == root:   # checked wherever given: alike on every rank
-            x = self._check_out("scatter", "x", b, x, out, self._stacked[out.shape],
+            x = self._check_out("scatter", "x", b, x, out, self._joined[out.shape],
                                 " (size parts shaped like out)", writes=False)
         return b.scatter(x, out, spec, root, async_op, stream)
 
@@ -437,7 +418,7 @@ class Communicator(Checks):
         if stream is not None:
             self._check_stream("gather", b, stream)
         self._check_rank("gather", "root", root)
-        shapes = self._stacked[x.shape]
+        shapes = self._joined[x.shape]
         if out is not None:   # checked wherever given, so that every rank fails alike
             out = self._check_out("gather", "out", b, out, x, shapes,
                                   " (size parts shaped like x)")

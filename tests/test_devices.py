@@ -16,6 +16,7 @@ from cupycomm.coalesce import runs_by_dtype
 import nccl_standin as sd
 from arrays import GPU, GPU_SKIP_REASON, STANDIN, lib_params, rank_input, reduce_reference
 from cupycomm import devices
+from cupycomm.backends import local as local_nccl
 from cupycomm.devices import comm as device_comm, copies as device_copies
 
 DTYPES = list(cupycomm.DTYPES)
@@ -309,7 +310,7 @@ def test_gather_waits_for_each_parts_stream(standin, held):
 
 
 def test_nccl_paths_run_in_groups_on_each_devices_current_stream(standin, monkeypatch):
-    monkeypatch.setattr(device_copies, "_kept", {})   # no communicators from earlier tests
+    monkeypatch.setattr(local_nccl, "_communicators", {})   # none from earlier tests
     before = sd.init_all_calls
     x = sd.asarray(np.arange(4.0))
     producer = sd.Stream(non_blocking=True, deferred=True)
@@ -500,7 +501,7 @@ def test_bad_input_is_refused_before_anything_moves(standin, monkeypatch, call, 
             return sd.asarray(a)
     moved = []
     monkeypatch.setattr(device_copies, "move", lambda *a, **k: moved.append(a))
-    monkeypatch.setattr(device_copies, "nccl_group", lambda *a, **k: moved.append(a))
+    monkeypatch.setattr(local_nccl, "_group", lambda *a, **k: moved.append(a))
     monkeypatch.setattr(device_comm, "move", lambda *a, **k: moved.append(a))
     with pytest.raises(kind, match=pattern):
         call(put)

@@ -12,7 +12,8 @@ from mpi4py import MPI
 
 from cupycomm import _bootstrap
 from cupycomm.faults.board import CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
-from cupycomm.faults.watchdog import (COLLECTIVES, GRACE, HOLD_MARGIN, Tracker, _Watchdog, abort_job,
+from cupycomm._collectives import BY_NAME
+from cupycomm.faults.watchdog import (GRACE, HOLD_MARGIN, Tracker, _Watchdog, abort_job,
                                 unwatch)
 from cupycomm.backends.mpi import MPIBackend
 
@@ -167,7 +168,7 @@ def test_a_peer_blocked_in_another_collective_of_the_same_number_is_named(node):
     """A rank that raised, caught it and went on to barrier #5 while its peer waits in
     all_reduce #5: every rank has arrived at #5, but not at the same collective."""
     tracker, peer, aborted = node
-    peer.publish(5, COLLECTIVES.index("barrier") + 1, 5)
+    peer.publish(5, BY_NAME["barrier"].code, 5)
     tracker.seq, tracker.busy, tracker.timeout = 5, "all_reduce", 1.0
     tracker.check(0.0)
     tracker.check(2.0)

@@ -1,19 +1,34 @@
-"""The protocol both backends implement: one method per collective, same names, same arguments.
+"""The backends and the whole contract between them and the rest of cupycomm.
 
-The communicator validates every argument, allocates results and looks up the spec
-(``backend.reductions[dtype][op]`` for reductions, ``backend.movements[dtype]`` for data
-movement) before it calls a backend; backends trust their inputs.
-``recv`` is the receive buffer, ``recv is x`` meaning in place. Each method returns the result
-array, or a :class:`~cupycomm.work.Work` when ``async_op`` is true.
+- :mod:`.mpi`: host arrays through mpi4py's buffer calls.
+- :mod:`.nccl`: device arrays through one ``NcclCommunicator`` per communicator.
+- :mod:`.local`: one process driving several GPUs (the NCCL groups of ``cupycomm.devices``).
+
+Every NCCL call of the package is made in this folder (the benchmark's raw baselines
+excepted: calling NCCL directly is their job).
+
+The doors, as small protocols (the annotations of their callers use them):
+
+- :class:`Collectives`: what the Communicator calls once it has checked every argument. It
+  allocates results with ``empty`` and looks up the spec (``reductions[dtype][op]`` for
+  reductions, ``movements[dtype]`` for data movement); backends trust their inputs. ``recv``
+  is the receive buffer (``recv is x``: in place). Each method returns the result, or a
+  :class:`~cupycomm.work.Work` when ``async_op`` is true. The methods are those of
+  :data:`cupycomm._collectives.BACKEND_METHODS`, which :class:`~cupycomm._foreign.Foreign`
+  wraps, plus ``empty``, the batch() hooks and ``close``.
+- :class:`HostBackend` and :class:`DeviceBackend`: what each kind has besides.
+- :class:`Completion`: what a :class:`~cupycomm.work.Work` calls to complete.
+- :class:`Health`: what the watchdog thread asks of a device backend (never blocking, no MPI).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
-__all__ = ["Backend"]
+__all__ = ["Collectives", "HostBackend", "DeviceBackend", "Completion", "HostCompletion",
+           "DeviceCompletion", "Health"]
 
 
-class Backend(Protocol):
+class Collectives(Protocol):
     name: str                   # "mpi" or "nccl"
     array_type: type            # the array type it handles (numpy.ndarray, cupy.ndarray)
     device_id: Optional[int]    # None for host memory
@@ -36,3 +51,40 @@ class Backend(Protocol):
     def begin_group(self, group: Any) -> None: ...
     def end_group(self, group: Any, cancel: bool) -> None: ...
     def close(self) -> None: ...
+
+
+class Completion(Protocol):
+    def check_errors(self) -> None:
+        """Raise if the backend has failed meanwhile (NCCL's asynchronous errors)."""
+
+    def expired(self, label: str, timeout: float) -> None:
+        """``wait(timeout=)`` of the call ``label`` ran out: never returns."""
+
+
+class HostCompletion(Completion, Protocol):
+    def test_all(self, requests: list) -> bool: ...
+    def wait_all(self, requests: list, label: str) -> None: ...
+
+
+class DeviceCompletion(Completion, Protocol):
+    def stream_wait(self, event: Any) -> None:
+        """The caller's current stream (of the backend's device) waits for ``event``."""
+
+
+class Health(Protocol):
+    def has_pending_work(self) -> bool: ...
+    def async_error(self) -> str: ...
+    def abort(self, reason: str, peer_lost: bool = False) -> bool: ...
+
+
+class HostBackend(Collectives, HostCompletion, Protocol):
+    def barrier(self, async_op: bool = False) -> Any: ...
+    def gather_ints(self, values: Sequence[int], label: str) -> Any:
+        """Every rank's ``values`` (a row each), blocking: control traffic that sizes or
+        checks a call (uneven all_to_all counts, debug mode's fingerprints)."""
+
+
+class DeviceBackend(Collectives, DeviceCompletion, Health, Protocol):
+    stream: Any   # the comm stream
+
+    def split(self, color: Optional[int], key: int) -> Any: ...

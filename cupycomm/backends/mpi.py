@@ -8,14 +8,14 @@ followed by a division on the receiving ranks.
 from __future__ import annotations
 
 import collections
-import itertools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from .._dtypes import DTYPES, ReduceOp
+from .._parts import offsets
 from ..work import HostWork
 
 __all__ = ["MPIBackend"]
@@ -68,11 +68,6 @@ def _tables() -> tuple:
 
 
 _MOVEMENTS, _REDUCTIONS = _tables()
-
-
-def _offsets(counts: list) -> list:
-    """Where each part starts: the running sum of the counts before it."""
-    return [0, *itertools.accumulate(counts[:-1])] if counts else []
 
 
 class MPIBackend:
@@ -222,8 +217,8 @@ class MPIBackend:
 
     def all_to_all_v(self, x, recv, view, send_bytes, recv_bytes, async_op, stream):
         """Uneven parts: ``send_bytes[j]`` go to rank ``j``, ``recv_bytes[i]`` come from ``i``."""
-        send = [x if view is None else x.view(view), (send_bytes, _offsets(send_bytes)), _BYTE]
-        into = [recv if view is None else recv.view(view), (recv_bytes, _offsets(recv_bytes)),
+        send = [x if view is None else x.view(view), (send_bytes, offsets(send_bytes)), _BYTE]
+        into = [recv if view is None else recv.view(view), (recv_bytes, offsets(recv_bytes)),
                 _BYTE]
         if async_op or self._group is not None:
             return self._start(self._comm.Ialltoallv, (send, into), recv, (x, recv),
@@ -278,12 +273,28 @@ class MPIBackend:
         self._block("barrier", self._comm.Barrier)
         return None
 
-    def gather_counts(self, counts: np.ndarray) -> np.ndarray:
-        """Every rank's ``counts`` (1-d int64), row ``i`` from rank ``i``. Blocking, also
-        inside a batch() block: it sizes a call that is yet to be issued."""
-        table = np.empty((self._size, counts.size), counts.dtype)
-        self._block("all_to_all", self._comm.Allgather, counts, table)
+    # -- control traffic: what sizes or checks the next call -------------------------------------
+    def gather_ints(self, values: Sequence[int], label: str) -> np.ndarray:
+        """Every rank's ``values`` (int64), row ``i`` from rank ``i``. Blocking, also inside a
+        batch() block; the wait counts as part of the next call (``label`` #seq + 1), which
+        it sizes or checks (uneven all_to_all counts, debug mode's checksums)."""
+        mine = np.asarray(values, np.int64)
+        table = np.empty((self._size, mine.size), np.int64)
+        self._control(label, self._comm.Allgather, mine, table)
         return table
+
+    def gather_objects(self, obj: Any, label: str) -> list:
+        """Every rank's picklable ``obj``, as :meth:`gather_ints` (debug mode's fingerprints,
+        sent only when the checksums differ)."""
+        return self._control(label, self._comm.allgather, obj)
+
+    def _control(self, label: str, call: Callable, *args: Any) -> Any:
+        tracker = self._tracker
+        tracker.busy = f"{label} #{tracker.seq + 1}"
+        try:
+            return call(*args)
+        finally:
+            tracker.busy = None
 
     # -- batch() blocks: the calls start together when the block ends, which waits for them ------
     def begin_group(self, group: Any) -> None:

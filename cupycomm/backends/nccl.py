@@ -18,11 +18,11 @@ factor of the dtype table (a complex element is two reals).
 from __future__ import annotations
 
 import collections
-import itertools
 from typing import Any
 
 from .._bootstrap import broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
+from .._parts import offsets
 from ..errors import CollectiveTimeout, NcclError
 from ..work import DeviceWork
 
@@ -41,11 +41,6 @@ def _reduction_table() -> dict:
 
 _REDUCTIONS = _reduction_table()
 _MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype as it is
-
-
-def _offsets(base: int, sizes: list) -> list:
-    """The address of each part laid end to end from ``base``."""
-    return [base + start for start in itertools.accumulate([0, *sizes[:-1]])]
 
 
 class NcclBackend:
@@ -238,8 +233,8 @@ class NcclBackend:
 
     def all_to_all_v(self, x, recv, spec, send_bytes, recv_bytes, async_op, stream):
         """Part ``j`` (``send_bytes[j]`` bytes) to rank ``j``: one group of sends and receives."""
-        sends = list(zip(_offsets(x.data.ptr, send_bytes), send_bytes, range(self._size)))
-        receives = list(zip(_offsets(recv.data.ptr, recv_bytes), recv_bytes, range(self._size)))
+        sends = list(zip(offsets(send_bytes, x.data.ptr), send_bytes, range(self._size)))
+        receives = list(zip(offsets(recv_bytes, recv.data.ptr), recv_bytes, range(self._size)))
         return self._exchange(sends, receives, recv, (x, recv), "all_to_all", async_op, stream)
 
     def scatter(self, x, recv, spec, root, async_op, stream):

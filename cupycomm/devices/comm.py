@@ -36,8 +36,9 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from .places import HOST, Lib, Place, brief, describe, with_length
-from ..coalesce import runs_by_dtype, views_of
-from .copies import (Copy, Order, broadcast_arrays, keep, move, starts, sum_arrays, whole)
+from .._parts import offsets, views_of
+from ..coalesce import runs_by_dtype
+from .copies import (Copy, Order, broadcast_arrays, keep, move, sum_arrays, whole)
 
 __all__ = ["broadcast", "broadcast_coalesced", "scatter", "gather", "reduce_add",
            "reduce_add_coalesced", "parallel_apply", "count", "HOST", "BUFFER_BYTES"]
@@ -52,7 +53,7 @@ def _flatten(lib: Lib, arrays: Sequence[Any], place: Place) -> Any:
     sizes = [a.size for a in arrays]
     flat = lib.empty(place, (sum(sizes),), arrays[0].dtype)
     move(lib, [whole(flat, place, lib.contiguous(a, place), place, start)
-               for a, start in zip(arrays, starts(sizes))])
+               for a, start in zip(arrays, offsets(sizes))])
     return flat
 
 
@@ -174,7 +175,7 @@ def scatter(x: Any, devices: Optional[Sequence[Any]] = None,
     parts = list(out) if out is not None else [
         lib.empty(t, with_length(x.shape, axis, size), x.dtype) for t, size in zip(targets, sizes)]
     move(lib, [Copy(part, t, 0, x, source, start, axis, size)
-               for part, t, start, size in zip(parts, targets, starts(sizes), sizes)], given)
+               for part, t, start, size in zip(parts, targets, offsets(sizes), sizes)], given)
     return tuple(parts)
 
 
@@ -222,7 +223,7 @@ def gather(arrays: Sequence[Any], axis: int = 0, destination: Any = None, *, out
     parts = [lib.contiguous(a, p) for a, p in zip(arrays, places)]
     result = lib.empty(target, shape, first.dtype) if out is None else out
     move(lib, [Copy(result, target, start, part, p, 0, axis, size)
-               for part, p, start, size in zip(parts, places, starts(sizes), sizes)])
+               for part, p, start, size in zip(parts, places, offsets(sizes), sizes)])
     return result
 
 

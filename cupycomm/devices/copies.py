@@ -1,9 +1,9 @@
-"""Moving arrays between places for cupycomm.devices: copies on the copy engines and NCCL
-groups, ordered with the current streams by events (the semantics are in its docstring).
+"""Moving arrays between places for cupycomm.devices: copies on the copy engines, and NCCL
+groups (:mod:`cupycomm.backends.local`), ordered with the current streams by events (the
+semantics are in the docstring of :mod:`cupycomm.devices.comm`).
 
 A :class:`Copy` is a block of equally spaced rows: a chunk along any axis of a C-contiguous
-array, or a whole array. ``move`` runs copies, ``nccl_group`` issues NCCL calls over the
-initAll communicators of a device tuple; ``broadcast_arrays`` and ``sum_arrays`` are the
+array, or a whole array. ``move`` runs copies; ``broadcast_arrays`` and ``sum_arrays`` are the
 bodies of broadcast and reduce_add, plain and coalesced.
 """
 from __future__ import annotations
@@ -12,28 +12,19 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-import numpy as np
 
-from .._dtypes import NCCL_INT8, ReduceOp
+from ..backends import local
 from .places import HOST, Lib, Place
-from ..backends.nccl import NcclBackend
-from ..errors import NcclError
 
-__all__ = ["keep", "starts", "Order", "Copy", "whole", "move", "nccl_group", "broadcast_arrays",
-           "sum_arrays"]
+__all__ = ["keep", "Order", "Copy", "whole", "move", "broadcast_arrays", "sum_arrays"]
 
-_SUM = {dtype: ops[ReduceOp.SUM] for dtype, ops in NcclBackend.reductions.items()}
-_kept: Dict[tuple, Any] = {}   # per device module: NCCL communicators, peer access, streams
+_kept: Dict[tuple, Any] = {}   # per device module: peer access enabled, parallel_apply's streams
 
 
 def keep(key: tuple, make: Callable[[], Any]) -> Any:
     if key not in _kept:
         _kept[key] = make()
     return _kept[key]
-
-
-def starts(sizes: Sequence[int]) -> List[int]:
-    return [int(s) for s in np.cumsum([0, *sizes[:-1]])]
 
 
 class Order:
@@ -162,22 +153,6 @@ def move(lib: Lib, copies: Sequence[Copy], streams: Optional[Dict[Place, Any]] =
                    host=any(c.dst_place == HOST for c in batch))
 
 
-def nccl_group(lib: Lib, devices: Tuple[int, ...], calls: Callable[[list], None]) -> None:
-    """Issue ``calls(communicators)`` as one NCCL group over the communicators of ``devices``
-    (made by initAll the first time, then kept)."""
-    nccl = lib.xp.cuda.nccl
-    try:
-        comms = keep(("nccl", lib.xp, devices),
-                     lambda: nccl.NcclCommunicator.initAll(list(devices)))
-        nccl.groupStart()
-        try:
-            calls(comms)
-        finally:
-            nccl.groupEnd()
-    except nccl.NcclError as error:
-        raise NcclError(f"{lib.name}: NCCL failed on devices {list(devices)}: {error}") from error
-
-
 # -- the shared bodies ----------------------------------------------------------------------------
 def broadcast_arrays(lib: Lib, sources: List[Any], source: Place, targets: Tuple[Place, ...],
                      outs: Optional[List[List[Any]]] = None) -> List[List[Any]]:
@@ -195,15 +170,8 @@ def broadcast_arrays(lib: Lib, sources: List[Any], source: Place, targets: Tuple
         move(lib, [whole(out, targets[0], a, source) for out, a in zip(outs[0], sources)])
         root, sends = 0, outs[0]
     order = Order(lib)
-
-    def calls(comms: list) -> None:
-        for rank, (comm, device, row) in enumerate(zip(comms, targets, outs)):
-            with lib.on(device):
-                stream = order.current(device).ptr
-                for send, out in zip(sends, row):
-                    sendbuff = send.data.ptr if rank == root else out.data.ptr
-                    comm.broadcast(sendbuff, out.data.ptr, out.nbytes, NCCL_INT8, root, stream)
-    nccl_group(lib, targets, calls)
+    local.broadcast(lib.name, lib.xp, targets, [order.current(t) for t in targets], root, sends,
+                    outs)
     return outs
 
 
@@ -215,21 +183,11 @@ def sum_arrays(lib: Lib, jobs: List[List[Any]], places: Tuple[Place, ...],
     root = places.index(home)
     results = [lib.empty(home, job[0].shape, job[0].dtype) for job in jobs]
     by_nccl = [j for j, job in enumerate(jobs)
-               if home != HOST and len(places) > 1 and job[0].dtype in _SUM]
+               if home != HOST and len(places) > 1 and local.can_sum(job[0].dtype)]
     if by_nccl:
         order = Order(lib)
-
-        def calls(comms: list) -> None:
-            for rank, (comm, device) in enumerate(zip(comms, places)):
-                with lib.on(device):
-                    stream = order.current(device).ptr
-                    for j in by_nccl:
-                        send = jobs[j][rank]
-                        recv = results[j] if rank == root else send   # ignored off the root
-                        datatype, factor, op = _SUM[send.dtype]
-                        comm.reduce(send.data.ptr, recv.data.ptr, send.size * factor, datatype,
-                                    op, root, stream)
-        nccl_group(lib, places, calls)
+        local.reduce_sum(lib.name, lib.xp, places, [order.current(p) for p in places], root,
+                         [jobs[j] for j in by_nccl], [results[j] for j in by_nccl])
     by_adding = [j for j in range(len(jobs)) if j not in by_nccl]
     if by_adding:
         parts = {}   # (job, input) -> the input where it is at home, else a copy to make there

@@ -16,7 +16,7 @@ import numpy as np
 from .. import _bootstrap
 from .._dtypes import DTYPES
 from .nested import map_arrays, path_text
-from .._dispatch import _kind
+from .._validate import kind_name
 
 __all__ = ["HOST", "Place", "Lib", "describe", "brief", "with_length"]
 
@@ -33,7 +33,7 @@ def brief(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(brief(v) for v in value) + "]"
     if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"<{_kind(value)} of shape {value.shape}>"
+        return f"<{kind_name(value)} of shape {value.shape}>"
     return repr(value)
 
 
@@ -144,7 +144,7 @@ class Lib:
         """The place of ``a``, which must be an array of a supported dtype."""
         where = self.where(a)
         if where is None:
-            raise self.fail(TypeError, f"{arg} must be a NumPy or CuPy array, got {_kind(a)}")
+            raise self.fail(TypeError, f"{arg} must be a NumPy or CuPy array, got {kind_name(a)}")
         if a.dtype not in DTYPES:
             supported = ", ".join(str(d) for d in DTYPES)
             raise self.fail(TypeError, f"{arg} has dtype {a.dtype}, which is not supported "

@@ -58,7 +58,7 @@ class NodeBoard:
 
     def publish(self, seq: int, busy: int, busy_seq: int) -> None:
         """This rank's progress (busy: 0 when not blocked, else the collective's code: 1 + its
-        index in ``_watchdog.COLLECTIVES``)."""
+        index in ``cupycomm._collectives.CALLS``)."""
         mine = self.mine
         mine[SEQ], mine[BUSY], mine[BUSY_SEQ] = seq, busy, busy_seq
 

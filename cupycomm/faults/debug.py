@@ -27,20 +27,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .._collectives import CHECKED
 from ..errors import CollectiveMismatch
 
-__all__ = ["CHECKED", "install"]
+__all__ = ["install", "fingerprint"]
 
-# Collective -> its data argument: the array every rank passes alike (None: no array).
-CHECKED: Dict[str, Optional[str]] = {
-    "all_reduce": "x", "reduce": "x", "broadcast": "x", "all_gather": "x",
-    "reduce_scatter": "x", "all_to_all": "x", "scatter": "out", "gather": "x",
-    "barrier": None, "broadcast_object": None, "all_gather_object": None,
-    "gather_object": None, "scatter_object": None, "new_group": None,
-}
 _ARRAYS = ("x", "out")   # array arguments: only the data argument counts
 _IGNORED = ("self", "async_op", "stream", "obj", "objs")   # objects may differ by rank
 _SPLITS = ("in_splits", "out_splits")   # rank-specific by nature: cross-checked instead
+_DATA: Dict[str, Optional[str]] = {call.name: call.data for call in CHECKED}
 
 
 def _array_print(value: Any, with_size: bool = True) -> Any:
@@ -72,7 +67,7 @@ def _array_text(print_: Any) -> str:
 def fingerprint(name: str, arguments: Dict[str, Any]) -> Tuple:
     """(name, ((argument, value), ...)): what must agree across ranks. With uneven splits,
     array sizes differ by rank: the splits are cross-checked instead."""
-    data = CHECKED[name]
+    data = _DATA[name]
     uneven = any(arguments.get(key) is not None for key in _SPLITS)
     parts = []
     for key, value in arguments.items():
@@ -117,9 +112,6 @@ def _checked(comm: Any, name: str, method: Callable) -> Callable:
     parameters = list(inspect.signature(method).parameters.values())
     names = [p.name for p in parameters]
     defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
-    mine = np.zeros(1, np.int64)
-    everyone = np.zeros(comm.size, np.int64)
-
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         if len(args) > len(names) or not set(kwargs) <= set(names):
@@ -133,22 +125,13 @@ def _checked(comm: Any, name: str, method: Callable) -> Callable:
         # Ranks compare a checksum in one small allgather; only on a difference (or when
         # uneven splits are given, which only the whole exchange can cross-check) do they
         # exchange the whole fingerprints, to say who differs and how.
-        mine[0] = zlib.crc32(repr(print_).encode())
-        gathered = _exchange(comm._tracker, comm.mpi_comm, mine, everyone, (print_, splits))
-        if gathered is not None:
+        checksum = zlib.crc32(repr(print_).encode())
+        checksums = comm._host.gather_ints([checksum], "debug check")
+        if (checksums != checksum).any() or splits != (None, None):
+            gathered = comm._host.gather_objects((print_, splits), "debug check")
             _raise_on_disagreement(comm, name, print_, gathered)
         return method(*args, **kwargs)
     return call
-
-
-def _exchange(tracker: Any, mpi_comm: Any, mine: np.ndarray, everyone: np.ndarray,
-              whole: Tuple) -> Any:
-    """Every rank's fingerprints when checksums (or uneven splits) differ, else None."""
-    with tracker.inside("debug check"):
-        mpi_comm.Allgather(mine, everyone)
-        if (everyone != mine[0]).any() or whole[1] != (None, None):
-            return mpi_comm.allgather(whole)
-    return None
 
 
 def _raise_on_disagreement(comm: Any, name: str, mine: Tuple, gathered: List[Tuple]) -> None:
@@ -164,5 +147,5 @@ def _raise_on_disagreement(comm: Any, name: str, mine: Tuple, gathered: List[Tup
 def install(comm: Any) -> None:
     """Route ``comm``'s collectives through the fingerprint check (instance attributes, so
     the class's call path, used without debug mode, stays as it is)."""
-    for name in CHECKED:
-        setattr(comm, name, _checked(comm, name, getattr(comm, name)))
+    for call in CHECKED:
+        setattr(comm, call.name, _checked(comm, call.name, getattr(comm, call.name)))

@@ -54,18 +54,12 @@ from typing import Any, Iterator, Optional
 
 
 from . import board as _board
+from .._collectives import BY_NAME, CALLS, POINT_TO_POINT
 from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from .._bootstrap import abort_world, describe_rank, report_stream
 
-__all__ = ["Tracker", "watch", "unwatch", "abort_job",
-           "COLLECTIVES", "GRACE", "INTERVAL", "HOLD_MARGIN"]
+__all__ = ["Tracker", "watch", "unwatch", "abort_job", "GRACE", "INTERVAL", "HOLD_MARGIN"]
 
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
-               "all_to_all", "scatter", "gather", "send", "recv", "sendrecv", "barrier",
-               "batch", "debug check", "broadcast_object", "all_gather_object",
-               "gather_object", "scatter_object", "close")
-POINT_TO_POINT = frozenset({"send", "recv", "sendrecv", "batch"})
-_CODE = {name: code for code, name in enumerate(COLLECTIVES, start=1)}
 INTERVAL = 0.1       # seconds between two looks
 GRACE = 2.0          # seconds a collective may wait after a peer left before issuing it
 HOLD_MARGIN = (10.0, 30.0)   # the GIL may be held this much (bounds) past a waiting timeout
@@ -123,7 +117,8 @@ class Tracker:
         seq, busy = self.seq, self.busy
         name, at = _call(busy, seq) if busy is not None else ("", seq)
         if self.board is not None:
-            self.board.publish(seq, _CODE.get(name, 0), at if busy is not None else 0)
+            self.board.publish(seq, BY_NAME[name].code if busy is not None else 0,
+                               at if busy is not None else 0)
         waiting = True
         if busy is not None:
             waited = self._waited((at, busy), now)
@@ -186,7 +181,7 @@ class Tracker:
             return [], "no other rank's progress is known"
         late, behind, elsewhere = [], [], []
         for row in self.board.peers():
-            doing = COLLECTIVES[row[BUSY] - 1] if row[BUSY] else ""
+            doing = CALLS[row[BUSY] - 1].name if row[BUSY] else ""
             if row[SEQ] < at:
                 late.append(int(row[RANK]))
                 behind.append(f"rank {row[RANK]} is at #{row[SEQ]}, " + (
