@@ -1,6 +1,8 @@
 """The array libraries a test body runs on, and rank-known random inputs with NumPy references.
 
 - ``host``: NumPy arrays, through MPI.
+- ``torch``: torch CPU tensors, through MPI: the foreign-array path (DLPack views, results
+  back in torch's type, bfloat16 as 16-bit words); skipped where torch is not installed.
 - ``standin``: the NCCL backend's real code on the host-memory stand-in of CUDA and NCCL.
 - ``gpu``: CuPy arrays on a real GPU, through real NCCL (marked ``gpu``; skipped without one).
 
@@ -61,6 +63,50 @@ class Lib:
         return self.name
 
 
+class TorchLib(Lib):
+    """torch CPU tensors: made from NumPy data without going through cupycomm, read back
+    the same way (bfloat16 through its 16-bit words, as NumPy has no bfloat16 of its own)."""
+
+    def __init__(self, torch: Any) -> None:
+        super().__init__("torch", torch, None, device_module=nccl_standin, is_device=False)
+        self._dtypes = {np.dtype(dtype): getattr(torch, name) for dtype, name in [
+            (np.bool_, "bool"), (np.int8, "int8"), (np.uint8, "uint8"), (np.int16, "int16"),
+            (np.uint16, "uint16"), (np.int32, "int32"), (np.uint32, "uint32"),
+            (np.int64, "int64"), (np.uint64, "uint64"), (np.float16, "float16"),
+            (np.float32, "float32"), (np.float64, "float64"), (np.complex64, "complex64"),
+            (np.complex128, "complex128")]}
+        self._bfloat16 = {d for d in cupycomm.DTYPES if d.name == "bfloat16"}
+
+    def array(self, data: np.ndarray) -> Any:
+        data = np.array(data, order="C")
+        if data.dtype in self._bfloat16:
+            return self.module.from_numpy(data.view(np.int16)).view(self.module.bfloat16)
+        return self.module.from_numpy(data)
+
+    def empty(self, shape: Any, dtype: Any) -> Any:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if isinstance(dtype, self.module.dtype):
+            return self.module.empty(shape, dtype=dtype)
+        if np.dtype(dtype) in self._bfloat16:
+            return self.module.empty(shape, dtype=self.module.bfloat16)
+        return self.module.empty(shape, dtype=self._dtypes[np.dtype(dtype)])
+
+    def numpy(self, a: Any) -> np.ndarray:
+        if not isinstance(a, self.module.Tensor):
+            return np.asarray(a)
+        if a.dtype == self.module.bfloat16:
+            return a.view(self.module.int16).numpy().view(next(iter(self._bfloat16)))
+        return a.numpy()
+
+
+def _torch_lib() -> Optional[Lib]:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return TorchLib(torch)
+
+
 def _gpu_lib() -> Optional[Lib]:
     cupy = _bootstrap.import_cupy()
     if cupy is None or _bootstrap.choose_device(0, cupy) is None:
@@ -72,13 +118,18 @@ def _gpu_lib() -> Optional[Lib]:
 HOST = Lib("host", np, np.asarray, device_module=nccl_standin, is_device=False)
 STANDIN = Lib("standin", nccl_standin, nccl_standin.asnumpy, device_module=nccl_standin,
               is_device=True)
+TORCH = _torch_lib()
 GPU = _gpu_lib()
 GPU_SKIP_REASON = "no GPU: CuPy is missing or sees no CUDA device (run on a GPU machine)"
+TORCH_SKIP_REASON = "torch is not installed (pip install 'torch==2.13.0' for the CPU build)"
 
 
 def lib_params(gpu: bool = True) -> list:
-    """pytest params for the libraries: host, stand-in, and the GPU (marked, skipped if none)."""
-    params = [pytest.param(HOST, id="host"), pytest.param(STANDIN, id="standin")]
+    """pytest params for the libraries: host, torch (skipped without it), stand-in, and the
+    GPU (marked, skipped if none)."""
+    torch_marks = [] if TORCH is not None else [pytest.mark.skip(reason=TORCH_SKIP_REASON)]
+    params = [pytest.param(HOST, id="host"), pytest.param(TORCH, id="torch", marks=torch_marks),
+              pytest.param(STANDIN, id="standin")]
     if gpu:
         marks = [pytest.mark.gpu]
         if GPU is None:

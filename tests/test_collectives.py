@@ -249,6 +249,13 @@ def test_zero_size_and_0d(lib, comm, shape):
     gathered = comm.gather(x, 0)
     if comm.rank == 0:
         assert_equal(lib, gathered, everyone)
+    parts = [lib.empty(shape, np.float32) for _ in range(comm.size)]
+    assert comm.all_gather(x, out=parts) == parts
+    for j, part in enumerate(parts):
+        assert_equal(lib, part, everyone[j])
+    pieces = [lib.array(rank_input(comm.rank, shape, np.float32, salt=j)) for j in range(comm.size)]
+    assert_equal(lib, comm.reduce_scatter(pieces),
+                 all_inputs(comm.size, shape, np.float32, salt=comm.rank).sum(0))
     z = lib.array(rank_input(comm.rank, shape, np.complex64))
     assert_equal(lib, comm.all_reduce(z, op="avg"),
                  reduce_reference(all_inputs(comm.size, shape, np.complex64), "avg", comm.size),

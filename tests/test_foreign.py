@@ -5,7 +5,9 @@ import array
 import numpy as np
 import pytest
 
+import cupycomm
 import nccl_standin as sd
+from cupycomm import _foreign
 from arrays import STANDIN
 
 
@@ -120,3 +122,54 @@ def test_torch_tensors_where_torch_is_installed(hcomm):
     assert gathered.flatten().tolist() == list(range(hcomm.size))
     work = hcomm.broadcast(torch.arange(4.0) * hcomm.rank, hcomm.size - 1, async_op=True)
     assert torch.equal(work.wait(), torch.arange(4.0) * (hcomm.size - 1))
+
+
+def _torch_case(torch, comm, case):
+    """(what the call returns, what NumPy says it must hold) for the calls that broke when
+    cupycomm's own buffers came back as torch tensors."""
+    n, r = comm.size, comm.rank
+    if case == "reduce_scatter-list":
+        got = comm.reduce_scatter([torch.full((3,), float(r + j)) for j in range(n)])
+        return got, np.full(3, float(sum(i + r for i in range(n))))
+    if case == "reduce_scatter-avg":
+        got = comm.reduce_scatter(torch.arange(3.0 * n) * (r + 1), op="avg")
+        return got, np.arange(3.0 * n)[3 * r:3 * r + 3] * (n + 1) / 2
+    if case == "all_gather-zero-size":
+        return comm.all_gather(torch.empty(0, 3)), np.empty((n, 0, 3))
+    if case == "all_gather-0d-list":
+        out = [np.full((), -1.0) for _ in range(n)]
+        assert comm.all_gather(np.array(5.0 + r), out=out) == out
+        return np.array(out), 5.0 + np.arange(n)
+    if case == "all_reduce-bfloat16":
+        x = torch.full((2,), float(r + 1), dtype=torch.bfloat16)
+        assert comm.all_reduce(x) is x
+        return x.float(), np.full(2, n * (n + 1) / 2)
+    if case == "all_gather-bfloat16":
+        got = comm.all_gather(torch.full((2,), float(r), dtype=torch.bfloat16))
+        assert got.dtype == torch.bfloat16
+        return got.float(), np.repeat(np.arange(n, dtype=float), 2).reshape(n, 2)
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["reduce_scatter-list", "reduce_scatter-avg",
+                                  "all_gather-zero-size", "all_gather-0d-list",
+                                  "all_reduce-bfloat16", "all_gather-bfloat16"])
+def test_calls_that_returned_cupycomms_own_buffers_as_the_callers_type(hcomm, case):
+    torch = pytest.importorskip("torch", reason="torch is not installed here")
+    if "bfloat16" in case and not any(d.name == "bfloat16" for d in cupycomm.DTYPES):
+        pytest.skip("ml_dtypes is not installed: bfloat16 has no NumPy type here")
+    got, expected = _torch_case(torch, hcomm, case)
+    if isinstance(got, torch.Tensor):
+        got = got.numpy()
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_bfloat16_without_ml_dtypes_is_a_type_error_naming_call_dtype_and_rank(hcomm,
+                                                                               monkeypatch):
+    torch = pytest.importorskip("torch", reason="torch is not installed here")
+    monkeypatch.setattr(_foreign, "_BFLOAT16", None)
+    with pytest.raises(TypeError, match=rf"all_reduce: x has dtype torch.bfloat16, which needs "
+                                        rf"ml_dtypes' bfloat16 here: pip install "
+                                        rf"'cupycomm\[bfloat16\]' on rank {hcomm.rank}"):
+        hcomm.all_reduce(torch.ones(2, dtype=torch.bfloat16))
+    assert hcomm.all_reduce(torch.ones(2)).tolist() == [hcomm.size] * 2   # still usable

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 
 from .._collectives import CHECKED
 from ..errors import CollectiveMismatch
@@ -49,8 +49,9 @@ def _array_print(value: Any, with_size: bool = True) -> Any:
     if dtype is None:
         return type(value).__name__
     flags = getattr(value, "flags", None)
-    return (type(value).__module__.split(".")[0], getattr(dtype, "str", str(dtype)),
-            value.size if with_size else None, flags is None or flags.c_contiguous)
+    size = math.prod(value.shape) if with_size else None   # torch's size is a method
+    return (type(value).__module__.split(".")[0], str(dtype), size,
+            flags is None or flags.c_contiguous)
 
 
 def _array_text(print_: Any) -> str:
@@ -61,7 +62,7 @@ def _array_text(print_: Any) -> str:
     library, dtype, size, contiguous = print_
     count = "" if size is None else f"{size} "
     layout = "" if contiguous else " non-contiguous"
-    return f"{count}{np.dtype(dtype).name}{layout} ({library})"
+    return f"{count}{dtype}{layout} ({library})"
 
 
 def fingerprint(name: str, arguments: Dict[str, Any]) -> Tuple:
