@@ -27,14 +27,13 @@ Semantics shared by every method (documented here once):
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _bootstrap, coalesce, objects
-from .faults import debug as _debug
+from . import _bootstrap, _env, coalesce, objects
+from .faults import abort, debug as _debug
 from ._dtypes import ReduceOp
 from .faults.board import NodeBoard
 from ._dispatch import Dispatch
@@ -47,7 +46,7 @@ from .work import Work
 
 __all__ = ["Communicator", "init", "DEFAULT_TIMEOUT"]
 
-DEFAULT_TIMEOUT = 600.0
+DEFAULT_TIMEOUT: float = _env.default("CUPYCOMM_TIMEOUT")
 """Seconds a collective may wait before it is declared hung (torch's NCCL default: 10 min).
 Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment variable."""
 
@@ -640,8 +639,7 @@ class Communicator(Dispatch, Validation):
                 self._nccl.close()
         finally:
             unwatch(self._tracker)
-            if self._tracker.board is not None:
-                self._tracker.board.leave()
+            self._tracker.leave()
             if not MPI.Is_finalized():
                 if self._objects is not None:
                     self._objects.Free()
@@ -660,19 +658,6 @@ class Communicator(Dispatch, Validation):
 
 # -- init -----------------------------------------------------------------------------------------
 _default: Optional[Communicator] = None
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
 
 
 def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
@@ -714,11 +699,11 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
                                  f"asked for {name}={wanted!r}; close() the communicator first")
         return _default
     if timeout is None:
-        timeout = _env_float("CUPYCOMM_TIMEOUT", DEFAULT_TIMEOUT)
+        timeout = _env.read("CUPYCOMM_TIMEOUT")
     if debug is None:
-        debug = _bootstrap.env_flag("CUPYCOMM_DEBUG", False)
-    if _bootstrap.abort_enabled(abort_on_exception):
-        _bootstrap.install_abort_handler()
+        debug = _env.read("CUPYCOMM_DEBUG")
+    if abort.abort_enabled(abort_on_exception):
+        abort.install_abort_handler()
     parent = _bootstrap.world() if mpi_comm is None else mpi_comm
     if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
         raise TypeError(f"init: mpi_comm must be an mpi4py communicator, got {parent!r}")

@@ -5,6 +5,7 @@ from mpi4py import MPI
 
 import cupycomm
 from cupycomm import _bootstrap
+from cupycomm.faults import abort
 
 
 def test_init_is_idempotent_until_closed():
@@ -79,11 +80,11 @@ def test_default_init_refuses_different_settings():
 
 
 def test_abort_switch(monkeypatch):
-    assert _bootstrap.abort_enabled(True) and not _bootstrap.abort_enabled(False)
+    assert abort.abort_enabled(True) and not abort.abort_enabled(False)
     monkeypatch.setenv("CUPYCOMM_ABORT_ON_EXCEPTION", "0")
-    assert not _bootstrap.abort_enabled(None)
+    assert not abort.abort_enabled(None)
     monkeypatch.setenv("CUPYCOMM_ABORT_ON_EXCEPTION", "1")
-    assert _bootstrap.abort_enabled(None)
+    assert abort.abort_enabled(None)
 
 
 def test_repr_names_rank_and_state():

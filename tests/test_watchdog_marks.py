@@ -13,8 +13,9 @@ from mpi4py import MPI
 from cupycomm import _bootstrap
 from cupycomm.faults.board import CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from cupycomm._collectives import BY_NAME
-from cupycomm.faults.watchdog import (GRACE, HOLD_MARGIN, Tracker, _Watchdog, abort_job,
-                                unwatch)
+from cupycomm.faults import abort
+from cupycomm.faults.abort import abort_job
+from cupycomm.faults.watchdog import GRACE, HOLD_MARGIN, Tracker, _Watchdog, unwatch
 from cupycomm.backends.mpi import MPIBackend
 
 pytestmark = pytest.mark.mpi(max_size=1)
@@ -90,7 +91,7 @@ def test_a_blocking_call_that_waits_past_the_timeout_is_judged_a_hang(monkeypatc
 def _board(rows: np.ndarray, index: int) -> NodeBoard:
     """Row ``index`` of ``rows`` seen as its rank's NodeBoard (no shared memory, no MPI)."""
     board = NodeBoard.__new__(NodeBoard)
-    board.rows, board.mine = rows, rows[index]
+    board.rows, board.mine, board.index = rows, rows[index], index
     return board
 
 
@@ -189,13 +190,13 @@ def test_a_works_wait_is_named_by_its_own_number(node):
 
 
 def test_leaving_publishes_the_final_count_and_the_reason(monkeypatch):
-    """unwatch() (called by close() before leave()) writes the last count, which the
+    """leave() (called by close() after unwatch()) writes the last count, which the
     watchdog thread may not have published yet."""
     rows = np.zeros((1, 8), np.int64)
     tracker = Tracker("test", 0, 2, timeout=1.0, board=_board(rows, 0))
     tracker.seq = 9
     unwatch(tracker)
-    tracker.board.leave()
+    tracker.leave()
     assert rows[0, SEQ] == 9 and rows[0, LEFT] == CLOSED and rows[0, LEFT_AT] > 0
 
 
@@ -227,13 +228,13 @@ def test_the_backstop_is_armed_only_while_a_call_waits(monkeypatch):
 def test_abort_job_reports_where_it_is_told(tmp_path, monkeypatch):
     """Under the plugin the report goes to the terminal's descriptor, not to sys.stderr
     (pytest's capture, lost when the job aborts)."""
-    monkeypatch.setattr("cupycomm.faults.watchdog.abort_world", lambda: None)
+    monkeypatch.setattr("cupycomm.faults.abort.abort_world", lambda: None)
     with open(tmp_path / "terminal", "w") as terminal:
-        _bootstrap.report_to(terminal)
+        abort.report_to(terminal)
         try:
             abort_job("a test message")
         finally:
-            _bootstrap.report_to(None)
+            abort.report_to(None)
     text = (tmp_path / "terminal").read_text()
     assert "cupycomm watchdog: a test message: aborting the job" in text
     assert "in test_abort_job_reports_where_it_is_told" in text   # this thread's stack

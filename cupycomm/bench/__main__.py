@@ -5,8 +5,8 @@ is left waiting in a collective for a peer that has gone.
 """
 import sys
 
-from mpi4py import MPI
-
+from .. import _bootstrap
+from ..faults.abort import abort_world
 from .run import main
 
 
@@ -14,10 +14,9 @@ def _main() -> int:
     try:
         return main()
     except KeyboardInterrupt:
-        sys.stderr.write(f"\ncupycomm.bench: interrupted on rank {MPI.COMM_WORLD.Get_rank()}; "
-                         f"aborting every rank\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(130)
+        sys.stderr.write(f"\ncupycomm.bench: interrupted on rank {_bootstrap.world().Get_rank()}"
+                         f"; aborting every rank\n")
+        abort_world(130)
         return 130
 
 

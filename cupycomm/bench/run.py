@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 import cupycomm
 
+from .. import _bootstrap, _env
 from .._dtypes import DTYPES
 from .cli import Options, UsageError, parse_args
 from .collectives import (ROWS, Case, Collective, count_wrong, distinct_sizes, known_input,
@@ -213,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     command = command_line(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
-    world = MPI.COMM_WORLD
+    world = _bootstrap.world()
     rank = world.Get_rank()
     try:
         opts = parse_args(argv, rank)
@@ -232,7 +233,7 @@ def command_line(argv: Optional[Sequence[str]]) -> str:
     cannot see the launcher's own command line); else this rank's Python command line (its
     interpreter, ``-m cupycomm.bench`` and the arguments as given); else, for ``main(argv)``
     called from Python, that call."""
-    exact = os.environ.get("CUPYCOMM_BENCH_COMMAND", "").strip()
+    exact = _env.read("CUPYCOMM_BENCH_COMMAND")
     if exact:
         return exact
     if argv is not None:

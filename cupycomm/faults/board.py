@@ -1,11 +1,11 @@
-"""A status board in node-local shared memory: what each rank of a communicator on this node
-is doing, readable by its peers without any MPI call (so it works while they are blocked).
+"""Status boards in node-local shared memory: what each process on this node is doing,
+readable by its peers without any MPI call (so it works while they are blocked).
 
-One row per rank of the communicator on this node: its rank, pid, how many collectives it has
-issued, which collective it is blocked in, and whether it has left (closed the communicator,
-or started to exit) and when. Each rank's watchdog thread writes its own row and reads the
-others; the rank itself writes the row once more as it leaves, so that a peer knows how far
-it got before it went. Ranks on other nodes are not on this board; timeouts cover them.
+:class:`Board` is a table of int64 fields, one row per rank of a node communicator, each
+rank writing its own row; :class:`NodeBoard` is the communicator's board of the watchdog
+(how far each rank has got, which collective it is blocked in, whether it has left). The
+pytest plugin's hang guard keeps its own fields on a :class:`Board`. Ranks on other nodes
+are not on a node's board.
 """
 from __future__ import annotations
 
@@ -20,12 +20,9 @@ from mpi4py import MPI
 
 from .. import _bootstrap
 
-__all__ = ["NodeBoard", "alive", "shared_directory", "RANK", "PID", "LEFT", "SEQ", "BUSY",
-           "BUSY_SEQ", "LEFT_AT", "CLOSED", "EXITING"]
+__all__ = ["Board", "NodeBoard", "alive", "shared_directory", "RANK", "PID", "LEFT", "SEQ",
+           "BUSY", "BUSY_SEQ", "LEFT_AT", "CLOSED", "EXITING"]
 
-RANK, PID, LEFT, SEQ, BUSY, BUSY_SEQ, LEFT_AT = range(7)
-CLOSED, EXITING = 1, 2   # LEFT: why the rank left (0: it has not)
-_FIELDS = 8
 _names = itertools.count()
 
 
@@ -34,15 +31,24 @@ def shared_directory() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-class NodeBoard:
-    """The board of one communicator on this node; created collectively over ``node``
-    (its ranks on this node), which this call does not keep."""
+class Board:
+    """``fields`` int64 per rank of ``node`` (the ranks of one communicator on this node), in
+    shared memory; made collectively over ``node``, which it does not keep.
 
-    def __init__(self, node: MPI.Comm, rank: int) -> None:
-        me = node.Get_rank()
-        nbytes = node.Get_size() * _FIELDS * 8
+    ``rows[i]`` is the row of ``node``'s rank ``i``; ``mine`` is this rank's, and starts zeroed.
+
+    Example::
+
+        board = Board(node, fields=4)
+        board.mine[0] = os.getpid()
+        others = [row for i, row in enumerate(board.rows) if i != board.index]
+    """
+
+    def __init__(self, node: MPI.Comm, fields: int) -> None:
+        self.index = node.Get_rank()
+        nbytes = node.Get_size() * fields * 8
         path = None
-        if me == 0:
+        if self.index == 0:
             path = os.path.join(shared_directory(), f"cupycomm-{os.getpid()}-{next(_names)}")
             with open(path, "wb") as f:
                 f.truncate(nbytes)
@@ -50,15 +56,31 @@ class NodeBoard:
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), nbytes)
         node.Barrier()   # everyone has mapped it: the name can go, the memory stays
-        if me == 0:
+        if self.index == 0:
             os.unlink(path)
-        self.rows = np.frombuffer(self._map, np.int64).reshape(node.Get_size(), _FIELDS)
-        self.mine = self.rows[me]
+        self.rows = np.frombuffer(self._map, np.int64).reshape(node.Get_size(), fields)
+        self.mine = self.rows[self.index]
+
+
+# The fields of a NodeBoard row.
+RANK, PID, LEFT, SEQ, BUSY, BUSY_SEQ, LEFT_AT = range(7)
+CLOSED, EXITING = 1, 2   # LEFT: why the rank left (0: it has not)
+
+
+class NodeBoard(Board):
+    """A communicator's board: per rank its rank, pid, how many collectives it has issued,
+    which collective it is blocked in, and whether it has left (closed the communicator, or
+    started to exit) and when. The watchdog thread writes this rank's row and reads the
+    others; the rank itself writes its row once more as it leaves, so that a peer knows how
+    far it got before it went."""
+
+    def __init__(self, node: MPI.Comm, rank: int) -> None:
+        super().__init__(node, 8)
         self.mine[RANK], self.mine[PID] = rank, os.getpid()
 
     def publish(self, seq: int, busy: int, busy_seq: int) -> None:
-        """This rank's progress (busy: 0 when not blocked, else the collective's code: 1 + its
-        index in ``cupycomm._collectives.CALLS``)."""
+        """This rank's progress (busy: 0 when not blocked, else the call's code in
+        ``cupycomm._collectives.CALLS``)."""
         mine = self.mine
         mine[SEQ], mine[BUSY], mine[BUSY_SEQ] = seq, busy, busy_seq
 
@@ -72,7 +94,7 @@ class NodeBoard:
 
     def peers(self) -> np.ndarray:
         """A snapshot of the other rows."""
-        return np.array([row for row in self.rows if row[PID] != self.mine[PID]])
+        return np.array([row for i, row in enumerate(self.rows) if i != self.index])
 
 
 def alive(pid: int) -> bool:

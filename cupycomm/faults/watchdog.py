@@ -37,10 +37,14 @@ ten times a second and:
   A call that holds the GIL outside any collective, however long, is never ended: it may be
   a correct program's.
 
-Abort messages and stacks go to :func:`cupycomm._bootstrap.report_stream` (the terminal
+Abort messages and stacks go to :func:`cupycomm.faults.abort.report_stream` (the terminal
 under the pytest plugin, whose capture of stderr is lost when the job aborts). The thread
 only reads Python attributes, CUDA events and shared memory; it makes no MPI call except
 ``MPI_Abort``.
+
+The thread is the process's one watcher: anything with ``check(now) -> bool`` (whether it
+waits, which arms the GIL backstop) and ``timeout`` can be watched; the pytest plugin's hang
+guard is.
 """
 from __future__ import annotations
 
@@ -50,19 +54,28 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol
 
-
-from . import board as _board
+from .._bootstrap import describe_rank
 from .._collectives import BY_NAME, CALLS, POINT_TO_POINT
+from . import board as _board, stacks
+from .abort import abort_job, report_stream
 from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
-from .._bootstrap import abort_world, describe_rank, report_stream
 
-__all__ = ["Tracker", "watch", "unwatch", "abort_job", "GRACE", "INTERVAL", "HOLD_MARGIN"]
+__all__ = ["Watched", "Tracker", "watch", "unwatch", "GRACE", "INTERVAL", "HOLD_MARGIN"]
 
 INTERVAL = 0.1       # seconds between two looks
 GRACE = 2.0          # seconds a collective may wait after a peer left before issuing it
 HOLD_MARGIN = (10.0, 30.0)   # the GIL may be held this much (bounds) past a waiting timeout
+
+
+class Watched(Protocol):
+    """What the watchdog thread looks at."""
+
+    timeout: float   # seconds: what a waiting call may take (the GIL backstop adds a margin)
+
+    def check(self, now: float) -> bool:
+        """Judge the item at ``time.monotonic()`` ``now``; return whether a call waits."""
 
 
 class Tracker:
@@ -94,6 +107,13 @@ class Tracker:
             yield
         finally:
             self.busy = None
+
+    def leave(self) -> None:
+        """The communicator is closing (call after :func:`unwatch`): its final progress goes
+        on the board, which then says how many collectives this rank issued before it left."""
+        if self.board is not None:
+            self.board.publish(self.seq, 0, 0)
+            self.board.leave()
 
     def expired(self, label: str, timeout: float) -> None:
         """``Work.wait(timeout=)`` ran out on the host: MPI cannot cancel, so end the job."""
@@ -208,49 +228,26 @@ def _call(busy: str, seq: int) -> tuple:
     return name, int(number) if number.isdigit() else seq
 
 
-def abort_job(message: str) -> None:
-    """Print ``message`` and this rank's stacks, then end every rank of the job."""
-    stream = report_stream()
-    stream.write(f"cupycomm watchdog: {message}: aborting the job\n")
-    stream.flush()
-    stacks = _backstop_file()
-    if stacks is not None:
-        faulthandler.dump_traceback(file=stacks, all_threads=True)
-    abort_world()
-
-
-def _backstop_file() -> Any:
-    """A stream with a real file descriptor for faulthandler (under Jupyter or pytest's capsys
-    sys.stderr has none), else None."""
-    for stream in (report_stream(), sys.stderr, sys.__stderr__):
-        try:
-            stream.fileno()
-        except (AttributeError, ValueError, OSError):
-            continue
-        return stream
-    return None
-
-
 class _Watchdog(threading.Thread):
     def __init__(self) -> None:
         super().__init__(name="cupycomm-watchdog", daemon=True)
-        self.trackers: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
+        self.watched: "weakref.WeakSet[Watched]" = weakref.WeakSet()
         self.armed = False
 
     def run(self) -> None:
         while True:
-            with _lock:   # unwatch() waits: no look publishes for a tracker once unwatched
+            with _lock:   # unwatch() waits: no look at an item once it is unwatched
                 now = time.monotonic()
-                waiting = [tracker for tracker in list(self.trackers) if tracker.check(now)]
+                waiting = [item for item in list(self.watched) if item.check(now)]
             self.arm_backstop(waiting)
             time.sleep(INTERVAL)
 
     def arm_backstop(self, waiting: list) -> None:
-        """Arm the GIL backstop while ``waiting`` (the trackers with a blocked call or pending
+        """Arm the GIL backstop while ``waiting`` (the items with a blocked call or pending
         device work) is not empty; else disarm it."""
-        stream = _backstop_file() if waiting else None
+        stream = stacks.with_descriptor(report_stream()) if waiting else None
         if stream is not None:
-            longest = max(t.timeout for t in waiting)
+            longest = max(item.timeout for item in waiting)
             low, high = HOLD_MARGIN
             limit = longest + max(low, min(longest, high))
             faulthandler.dump_traceback_later(limit, exit=True, file=stream)
@@ -264,21 +261,19 @@ _watchdog: Optional[_Watchdog] = None
 _lock = threading.Lock()
 
 
-def watch(tracker: Tracker) -> None:
-    """Have the watchdog look after ``tracker`` (starting the watchdog the first time)."""
+def watch(item: Watched) -> None:
+    """Have the watchdog look at ``item`` every INTERVAL s (starting the thread the first
+    time); it is held weakly."""
     global _watchdog
     with _lock:
         if _watchdog is None:
             _watchdog = _Watchdog()
             _watchdog.start()
-        _watchdog.trackers.add(tracker)
+        _watchdog.watched.add(item)
 
 
-def unwatch(tracker: Tracker) -> None:
-    """Stop looking after ``tracker``, and publish its final progress: the board's row then
-    says how many collectives this rank issued before it left."""
+def unwatch(item: Watched) -> None:
+    """Stop looking at ``item``; once this returns, the thread does not touch it again."""
     with _lock:
         if _watchdog is not None:
-            _watchdog.trackers.discard(tracker)
-        if tracker.board is not None:
-            tracker.board.publish(tracker.seq, 0, 0)
+            _watchdog.watched.discard(item)

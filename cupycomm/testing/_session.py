@@ -11,14 +11,14 @@ import os
 import sys
 from typing import Any, Dict, Generator, List, Optional
 
-import numpy as np
 import pytest
 from _pytest.runner import runtestprotocol  # what pytest's own protocol runs, without logging
-from mpi4py import MPI
 
-from .._bootstrap import abort_world, report_stream
+from .. import _bootstrap
+from ..faults.abort import abort_world, report_stream
 from . import _outcomes
-from ._hangs import END_OF_SESSION, FINISHED, IN_ROUND, RUNNING, HangGuard, HostBoard, position
+from ..faults.board import Board
+from ._hangs import END_OF_SESSION, FIELDS, FINISHED, IN_ROUND, RUNNING, HangGuard, position
 from ._outcomes import Kind, by_value, ranks_label
 from ._rounds import CODE, EXTRA, POINT, SEQ, Point, Round, Rounds
 
@@ -51,18 +51,18 @@ class MpiSession:
         self.config = config
         self.default_timeout = default_timeout
         # pytest's capture takes fd 2 during tests; stacks must reach the terminal.
-        self.guard = HangGuard(MPI.COMM_WORLD.Get_rank(), os.fdopen(os.dup(2), "w"))
+        self.guard = HangGuard(_bootstrap.world().Get_rank(), os.fdopen(os.dup(2), "w"))
         # A rank that failed before this point (say, in a conftest) never comes.
         self.guard.arm(default_timeout, "the start of the session")
-        self.rounds = Rounds(MPI.COMM_WORLD.Dup())
+        self.rounds = Rounds(_bootstrap.world().Dup())
         self.rank, self.size = self.rounds.rank, self.rounds.size
-        who = self.rounds.allgather_ints([os.getpid(), _digest([os.uname().nodename])])
-        host = {int(r): int(who[r, 0]) for r in np.flatnonzero(who[:, 1] == who[self.rank, 1])}
-        board = HostBoard(host, self.rank)
-        self.rounds.allgather_ints([0])  # every rank of the host has mapped the board
-        board.unlink()
+        node = _bootstrap.node_comm(self.rounds.comm)
+        board = Board(node, FIELDS)
+        ranks = [int(rank) for rank in node.allgather(self.rank)]
+        node.Free()
+        self.guard.know_node(board, ranks)
+        self.rounds.allgather_ints([0])  # every rank's pid is on its node's board
         self.guard.disarm()
-        self.guard.know_host(host, board)
         self._session: Optional[pytest.Session] = None
         self._seq = 0
         self._marks: Optional[str] = None

@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 import cupycomm
 from cupycomm import _bootstrap
+from cupycomm.faults import abort
 
 from ._session import TIMEOUT, MpiSession
 
@@ -50,7 +51,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Only rank 0 writes the JUnit XML file (every rank would write the same one)."""
-    if MPI.COMM_WORLD.Get_rank() != 0:
+    if _bootstrap.world().Get_rank() != 0:
         config.option.xmlpath = None
 
 
@@ -65,20 +66,20 @@ def pytest_configure(config: pytest.Config) -> None:
     value = config.getoption("mpi_timeout")
     timeout = _seconds(config.getini("mpi_timeout") if value is None else value, "mpi_timeout")
     config.stash[_DEFAULT] = timeout
-    if MPI.COMM_WORLD.Get_size() > 1:
+    if _bootstrap.world().Get_size() > 1:
         # The watchdog's abort message and stacks must reach the terminal: pytest's capture
         # of fd 2, where sys.stderr writes during a test, is lost when the job aborts.
-        _bootstrap.report_to(os.fdopen(os.dup(2), "w"))
+        abort.report_to(os.fdopen(os.dup(2), "w"))
         config.pluginmanager.register(MpiSession(config, timeout), "cupycomm-mpi-session")
 
 
 def pytest_report_header(config: pytest.Config) -> Optional[str]:
     """One line on the MPI world and the libraries (rank 0 only; CUDA is not touched)."""
-    if MPI.COMM_WORLD.Get_rank() != 0:
+    if _bootstrap.world().Get_rank() != 0:
         return None
     import mpi4py
     vendor, version = MPI.get_vendor()
-    size = MPI.COMM_WORLD.Get_size()
+    size = _bootstrap.world().Get_size()
     parts = [f"{size} MPI rank{'s' if size > 1 else ''} ({vendor} "
              f"{'.'.join(map(str, version))}, MPI {'.'.join(map(str, MPI.Get_version()))})",
              f"mpi4py {mpi4py.__version__}", f"NumPy {numpy.__version__}", _cupy_versions(),
@@ -105,7 +106,7 @@ def _cupy_versions() -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     """Check the markers' arguments once, skip the tests that need another number of ranks
     (on every rank alike), and give each test its timeout."""
-    size = MPI.COMM_WORLD.Get_size()
+    size = _bootstrap.world().Get_size()
     for item in items:
         low, high = _sizes(item)
         if size < low or (high is not None and size > high):
@@ -128,8 +129,8 @@ def pytest_runtest_makereport(item: pytest.Item) -> Iterator[Any]:
 
 # The per-test communicators: how each is made and freed.
 _MAKERS: Dict[str, Callable[[], Any]] = {
-    "mpi_comm": MPI.COMM_WORLD.Dup,
-    "cupycomm_comm": lambda: cupycomm.init(MPI.COMM_WORLD),
+    "mpi_comm": lambda: _bootstrap.world().Dup(),
+    "cupycomm_comm": lambda: cupycomm.init(_bootstrap.world()),
 }
 
 
@@ -205,7 +206,7 @@ def release(request: pytest.FixtureRequest, comm: Any, free: Any) -> None:
 
         @pytest.fixture
         def comm(request):
-            communicator = cupycomm.init(MPI.COMM_WORLD)
+            communicator = cupycomm.init(mpi4py.MPI.COMM_WORLD)
             yield communicator
             release(request, communicator, communicator.close)
     """

@@ -1,0 +1,82 @@
+"""The CUPYCOMM_* environment variables: every one of them, its meaning, default and parser.
+
+Nothing else in the package reads a CUPYCOMM_* variable. Each is read when it is needed
+(``init()`` reads the communicator's settings), so a program may set them before that.
+A value that does not parse raises ValueError naming the variable and the value.
+
+Example::
+
+    CUPYCOMM_TIMEOUT=120 mpiexec -n 4 python train.py
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Tuple
+
+__all__ = ["Variable", "VARIABLES", "read", "default"]
+
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError("is not a flag: expected 1/0, true/false, yes/no or on/off")
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError("must be positive")
+    return value
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One variable: ``parse`` turns its text into the value (ValueError saying why not);
+    an unset or empty variable means ``default``."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    meaning: str
+
+
+VARIABLES: Tuple[Variable, ...] = (
+    Variable("CUPYCOMM_TIMEOUT", _seconds, 600.0,
+             "seconds a collective may wait before it is declared hung (init(timeout=) wins)"),
+    Variable("CUPYCOMM_DEBUG", _flag, False,
+             "check before each collective that every rank calls it alike (init(debug=) wins)"),
+    Variable("CUPYCOMM_ABORT_ON_EXCEPTION", _flag, True,
+             "abort the MPI job when an exception escapes on one rank "
+             "(init(abort_on_exception=) wins)"),
+    Variable("CUPYCOMM_BENCH_COMMAND", _text, "",
+             "the command line python -m cupycomm.bench records (set by benchmarks/run_matrix)"),
+)
+_BY_NAME: Dict[str, Variable] = {variable.name: variable for variable in VARIABLES}
+
+
+def read(name: str) -> Any:
+    """The value of variable ``name`` now: parsed, or its default when unset or empty."""
+    variable = _BY_NAME[name]
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return variable.default
+    try:
+        return variable.parse(raw)
+    except ValueError as why:
+        raise ValueError(f"{name}={raw!r} {why}") from None
+
+
+def default(name: str) -> Any:
+    """What variable ``name`` means when it is not set."""
+    return _BY_NAME[name].default
