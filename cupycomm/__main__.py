@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
+from cupycomm.backends.nccl import library_version
 
 
 def _environment(comm: cupycomm.Communicator) -> List[str]:
@@ -27,7 +28,7 @@ def _environment(comm: cupycomm.Communicator) -> List[str]:
     else:
         cupy = comm.xp
         gpu_name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode()
-        where = (f"GPU {device.id} ({gpu_name}), NCCL {cupy.cuda.nccl.get_version()}, "
+        where = (f"GPU {device.id} ({gpu_name}), NCCL {library_version(cupy) or 'missing'}, "
                  f"CuPy {cupy.__version__}")
     mine = f"rank {comm.rank}: host {socket.gethostname()}, local rank {comm.local_rank}, {where}"
     return comm.mpi_comm.gather(mine, root=0) or []

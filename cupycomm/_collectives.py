@@ -32,7 +32,7 @@ class Call:
 
     ``data`` is the argument every rank passes alike (debug mode fingerprints it; None: no
     array argument, or not checked); ``checked``: debug mode compares this call across ranks;
-    ``methods``: the backend methods that run it; ``mpi``/``nccl``: what they call.
+    ``methods``: the backend methods that run it; ``mpi_call``/``nccl_call``: what they call.
     """
 
     name: str
@@ -40,8 +40,8 @@ class Call:
     data: Optional[str] = None
     checked: bool = False
     methods: Tuple[str, ...] = ()
-    mpi: str = ""
-    nccl: str = ""
+    mpi_call: str = ""
+    nccl_call: str = ""
 
     @property
     def code(self) -> int:
@@ -61,14 +61,15 @@ CALLS: Tuple[Call, ...] = (
     Call("scatter", COLLECTIVE, "out", True, ("scatter",), "Scatter", "grouped send/recv"),
     Call("gather", COLLECTIVE, "x", True, ("gather",), "Gather", "grouped send/recv"),
     Call("barrier", COLLECTIVE, None, True, (), "Barrier", "(MPI)"),
-    Call("send", POINT, methods=("send",), mpi="Send", nccl="send"),
-    Call("recv", POINT, methods=("recv",), mpi="Recv", nccl="recv"),
-    Call("sendrecv", POINT, methods=("sendrecv",), mpi="Sendrecv", nccl="grouped send/recv"),
-    Call("broadcast_object", OBJECT, checked=True, mpi="bcast (pickle)"),
-    Call("all_gather_object", OBJECT, checked=True, mpi="allgather (pickle)"),
-    Call("gather_object", OBJECT, checked=True, mpi="gather (pickle)"),
-    Call("scatter_object", OBJECT, checked=True, mpi="scatter (pickle)"),
-    Call("new_group", INTERNAL, checked=True, mpi="Comm_split", nccl="ncclCommSplit"),
+    Call("send", POINT, methods=("send",), mpi_call="Send", nccl_call="send"),
+    Call("recv", POINT, methods=("recv",), mpi_call="Recv", nccl_call="recv"),
+    Call("sendrecv", POINT, methods=("sendrecv",), mpi_call="Sendrecv", nccl_call="grouped send/recv"),
+    Call("broadcast_object", OBJECT, checked=True, mpi_call="bcast (pickle)"),
+    Call("all_gather_object", OBJECT, checked=True, mpi_call="allgather (pickle)"),
+    Call("gather_object", OBJECT, checked=True, mpi_call="gather (pickle)"),
+    Call("scatter_object", OBJECT, checked=True, mpi_call="scatter (pickle)"),
+    Call("new_group", COLLECTIVE, checked=True, mpi_call="Comm_split",
+         nccl_call="ncclCommSplit"),
     Call("batch", INTERNAL),
     Call("debug check", INTERNAL),
     Call("close", INTERNAL),

@@ -1,9 +1,12 @@
-"""Docs generated from the code, so that they cannot drift: the README's dtype x op table."""
+"""Docs generated from the code, so that they cannot drift: the dtype x op table, the table of
+calls and the environment variables (``python -m cupycomm._docs`` prints them)."""
 from __future__ import annotations
 
 import numpy as np
 
+from ._collectives import CALLS, INTERNAL
 from ._dtypes import DTYPES, ReduceOp
+from ._env import VARIABLES
 from .backends.mpi import MPIBackend
 from .backends.nccl import NcclBackend
 
@@ -35,5 +38,23 @@ def dtype_table() -> str:
     return "\n".join(lines)
 
 
+def call_table() -> str:
+    """The calls users make, who takes part, what runs them, and whether debug mode checks
+    them, as a Markdown table."""
+    lines = ["| call | ranks | MPI | NCCL | checked in debug mode |", "|---|---|---|---|---|"]
+    for call in CALLS:
+        if call.kind != INTERNAL:
+            lines.append(f"| `{call.name}` | {call.kind} | {call.mpi_call} | "
+                         f"{call.nccl_call or '-'} | {'yes' if call.checked else '-'} |")
+    return "\n".join(lines)
+
+
+def variable_table() -> str:
+    """The CUPYCOMM_* environment variables as a Markdown table."""
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{v.name}` | `{v.default!r}` | {v.meaning} |" for v in VARIABLES]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(dtype_table())
+    print(dtype_table(), call_table(), variable_table(), sep="\n\n")

@@ -71,6 +71,21 @@ class Communicator(Dispatch, Validation):
         comm.all_reduce(x)
         # Rank 0: array([3., 6.])
         # Rank 1: array([3., 6.])
+
+    State that helper modules may read or write (and nothing else of it):
+
+    - ``rank``, ``size``, ``timeout``, ``debug``, ``name``: read by all.
+    - ``_backends`` (array type -> backend), ``_host`` (the MPI backend), ``_nccl`` (the NCCL
+      backend once made by ``init_device``), ``_cupy`` (the device module, loaded lazily):
+      read by ``_dispatch`` (which adds array types to ``_backends`` and loads ``_cupy``),
+      ``coalesce`` and ``faults.debug`` (the host backend's control calls).
+    - ``_batch`` (the open ``batch()`` block) and ``_closed``: read by ``_dispatch`` and
+      ``_validate``.
+    - ``_tracker`` (the watchdog's :class:`~cupycomm.faults.watchdog.Tracker`): ``objects``
+      counts its calls there; ``faults.debug`` reads the count.
+    - ``_staging``: ``coalesce``'s buffers; ``_objects``: ``objects``' pickle transport (a
+      duplicate MPI communicator it makes on first use).
+    - ``faults.debug`` replaces the checked collectives by instance attributes.
     """
 
     def __init__(self, mpi_comm: MPI.Comm, *, device: Optional[int] = None,

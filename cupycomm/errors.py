@@ -37,5 +37,6 @@ class NcclError(RuntimeError):
     """An NCCL call failed, synchronously or asynchronously; the NCCL communicator is unusable."""
 
 
-class PeerLost(RuntimeError):
-    """A peer process of the communicator has exited while this rank waits for it."""
+class PeerLost(NcclError):
+    """A peer process of the communicator died while this rank's device collectives waited
+    for it: the NCCL communicator was aborted (host collectives end the job instead)."""

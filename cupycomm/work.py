@@ -24,11 +24,17 @@ from typing import Any, Callable, Optional, Sequence
 __all__ = ["Work", "HostWork", "DeviceWork", "WorkGroup", "poll_until"]
 
 
-def poll_until(done: Callable[[], bool], timeout: Optional[float],
-               check: Callable[[], None] = lambda: None) -> bool:
-    """Call ``done`` with a growing sleep between calls (50 µs to 5 ms), so that waiting
-    ranks leave the CPU to the others; ``check`` runs between polls and may raise.
-    Returns False if ``timeout`` seconds passed first."""
+def poll_until(done: Callable[[], bool], timeout: Optional[float] = None,
+               check: Callable[[], None] = lambda: None, longest: float = 5e-3) -> bool:
+    """Call ``done`` with a growing sleep between calls (50 µs to ``longest`` s), so that
+    waiting ranks leave the CPU to the others (a blocking MPI wait spins, and with more ranks
+    than cores it takes the CPU from the ranks still working); ``check`` runs between polls
+    and may raise. Returns False if ``timeout`` seconds passed first.
+
+    Example::
+
+        poll_until(lambda: MPI.Request.Testall(requests))
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = 5e-5
     while not done():
@@ -36,7 +42,7 @@ def poll_until(done: Callable[[], bool], timeout: Optional[float],
         if deadline is not None and time.monotonic() >= deadline:
             return False
         time.sleep(pause)
-        pause = min(pause * 2, 5e-3)
+        pause = min(pause * 2, longest)
     return True
 
 

@@ -1,11 +1,15 @@
-"""The project's docs stay true: the README's dtype table is the one in cupycomm._dtypes."""
+"""The project's docs stay true: the README's generated tables are those of the code."""
 from pathlib import Path
 
-from cupycomm._docs import dtype_table
+import pytest
+
+from cupycomm._docs import call_table, dtype_table, variable_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def test_readme_dtype_table_is_generated_from_the_table():
-    assert dtype_table() in README.read_text(), (
-        "README.md's dtype table is stale; paste the output of python -m cupycomm._docs there")
+@pytest.mark.parametrize("table", [dtype_table, call_table, variable_table])
+def test_readme_tables_are_generated_from_the_code(table):
+    assert table() in README.read_text(), (
+        f"README.md's {table.__name__} is stale; paste the output of python -m cupycomm._docs "
+        f"there")

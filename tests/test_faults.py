@@ -129,3 +129,14 @@ def test_mismatches_mpi_cannot_see_end_without_hanging(kind):
     a run is only ever bounded (here it completes); debug mode is what catches it."""
     job = run(f"mismatch-{kind}")
     ended_quickly(job)
+
+
+def test_a_dead_peer_ends_a_device_wait_with_peer_lost():
+    """Device collectives cannot end the job from the watchdog (NCCL kernels are aborted,
+    not MPI calls): the wait raises PeerLost, which the abort handler reports."""
+    job = run("device-peer-dies")
+    ended_quickly(job)
+    assert job.returncode != 0
+    assert "has died (its process ended: os._exit, a signal or a crash)" in job.output, job.output
+    assert "cupycomm.errors.PeerLost: wait: the NCCL communicator was aborted" in job.output
+    no_rank_finished(job)

@@ -142,8 +142,8 @@ class MPIBackend:
         return finish
 
     # -- collectives ------------------------------------------------------------------------------
-    # ``view`` (in the spec) is None for the dtypes MPI takes as they are, else the carrier
-    # dtype that the buffers are viewed as (bfloat16 -> uint16).
+    # The movement spec, and ``view`` in a reduction's spec, is None for the dtypes MPI takes
+    # as they are, else the carrier dtype that the buffers are viewed as (bfloat16 -> uint16).
     def all_reduce(self, x, recv, spec, async_op, stream):
         datatype, op, avg, view = spec
         send = _IN_PLACE if recv is x else [x if view is None else x.view(view), datatype]
@@ -173,16 +173,16 @@ class MPIBackend:
             finish()
         return result
 
-    def broadcast(self, x, view, root, async_op, stream):
-        buf = [x if view is None else x.view(view), _BYTE]
+    def broadcast(self, x, spec, root, async_op, stream):
+        buf = [x if spec is None else x.view(spec), _BYTE]
         if async_op or self._group is not None:
             return self._start(self._comm.Ibcast, (buf, root), x, (x,), "broadcast")
         self._block("broadcast", self._comm.Bcast, buf, root)
         return x
 
-    def all_gather(self, x, recv, view, async_op, stream, unpack=()):
-        send = [x if view is None else x.view(view), _BYTE]
-        into = [recv if view is None else recv.view(view), _BYTE]
+    def all_gather(self, x, recv, spec, async_op, stream, unpack=()):
+        send = [x if spec is None else x.view(spec), _BYTE]
+        into = [recv if spec is None else recv.view(spec), _BYTE]
         # With unpack, the result is the list the parts are copied into.
         result = [dst for dst, _ in unpack] if unpack else recv
         finish = self._unpack(unpack) if unpack else None
@@ -206,19 +206,19 @@ class MPIBackend:
             self._divide(recv)()
         return recv
 
-    def all_to_all(self, x, recv, view, async_op, stream):
-        send = [x if view is None else x.view(view), _BYTE]
-        into = [recv if view is None else recv.view(view), _BYTE]
+    def all_to_all(self, x, recv, spec, async_op, stream):
+        send = [x if spec is None else x.view(spec), _BYTE]
+        into = [recv if spec is None else recv.view(spec), _BYTE]
         if async_op or self._group is not None:
             return self._start(self._comm.Ialltoall, (send, into), recv, (x, recv),
                                "all_to_all")
         self._block("all_to_all", self._comm.Alltoall, send, into)
         return recv
 
-    def all_to_all_v(self, x, recv, view, send_bytes, recv_bytes, async_op, stream):
+    def all_to_all_v(self, x, recv, spec, send_bytes, recv_bytes, async_op, stream):
         """Uneven parts: ``send_bytes[j]`` go to rank ``j``, ``recv_bytes[i]`` come from ``i``."""
-        send = [x if view is None else x.view(view), (send_bytes, offsets(send_bytes)), _BYTE]
-        into = [recv if view is None else recv.view(view), (recv_bytes, offsets(recv_bytes)),
+        send = [x if spec is None else x.view(spec), (send_bytes, offsets(send_bytes)), _BYTE]
+        into = [recv if spec is None else recv.view(spec), (recv_bytes, offsets(recv_bytes)),
                 _BYTE]
         if async_op or self._group is not None:
             return self._start(self._comm.Ialltoallv, (send, into), recv, (x, recv),
@@ -226,41 +226,41 @@ class MPIBackend:
         self._block("all_to_all", self._comm.Alltoallv, send, into)
         return recv
 
-    def scatter(self, x, recv, view, root, async_op, stream):
-        send = None if self._rank != root else [x if view is None else x.view(view), _BYTE]
-        into = [recv if view is None else recv.view(view), _BYTE]
+    def scatter(self, x, recv, spec, root, async_op, stream):
+        send = None if self._rank != root else [x if spec is None else x.view(spec), _BYTE]
+        into = [recv if spec is None else recv.view(spec), _BYTE]
         if async_op or self._group is not None:
             return self._start(self._comm.Iscatter, (send, into, root), recv, (x, recv),
                                "scatter")
         self._block("scatter", self._comm.Scatter, send, into, root)
         return recv
 
-    def gather(self, x, recv, view, root, async_op, stream):
-        send = [x if view is None else x.view(view), _BYTE]
-        into = None if self._rank != root else [recv if view is None else recv.view(view), _BYTE]
+    def gather(self, x, recv, spec, root, async_op, stream):
+        send = [x if spec is None else x.view(spec), _BYTE]
+        into = None if self._rank != root else [recv if spec is None else recv.view(spec), _BYTE]
         if async_op or self._group is not None:
             return self._start(self._comm.Igather, (send, into, root), recv, (x, recv),
                                "gather")
         self._block("gather", self._comm.Gather, send, into, root)
         return recv
 
-    def send(self, x, view, peer, async_op, stream):
-        buf = [x if view is None else x.view(view), _BYTE]
+    def send(self, x, spec, peer, async_op, stream):
+        buf = [x if spec is None else x.view(spec), _BYTE]
         if async_op or self._group is not None:
             return self._start(self._comm.Isend, (buf, peer), None, (x,), "send")
         self._block("send", self._comm.Send, buf, peer)
         return None
 
-    def recv(self, x, view, peer, async_op, stream):
-        buf = [x if view is None else x.view(view), _BYTE]
+    def recv(self, x, spec, peer, async_op, stream):
+        buf = [x if spec is None else x.view(spec), _BYTE]
         if async_op or self._group is not None:
             return self._start(self._comm.Irecv, (buf, peer), x, (x,), "recv")
         self._block("recv", self._comm.Recv, buf, peer)
         return x
 
-    def sendrecv(self, x, view, dst, buf, src, async_op, stream):
-        send = [x if view is None else x.view(view), _BYTE]
-        into = [buf if view is None else buf.view(view), _BYTE]
+    def sendrecv(self, x, spec, dst, buf, src, async_op, stream):
+        send = [x if spec is None else x.view(spec), _BYTE]
+        into = [buf if spec is None else buf.view(spec), _BYTE]
         if async_op or self._group is not None:
             return self._start(self._comm.Isendrecv, (send, dst, 0, into, src, 0), buf,
                                (x, buf), "sendrecv")

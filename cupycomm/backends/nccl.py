@@ -18,15 +18,26 @@ factor of the dtype table (a complex element is two reals).
 from __future__ import annotations
 
 import collections
+import importlib
 from typing import Any
 
 from .._bootstrap import broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
 from .._parts import offsets
-from ..errors import CollectiveTimeout, NcclError
+from ..errors import CollectiveTimeout, NcclError, PeerLost
 from ..work import DeviceWork
 
-__all__ = ["NcclBackend"]
+__all__ = ["NcclBackend", "library_version"]
+
+
+def library_version(cupy: Any) -> str:
+    """NCCL's version, e.g. ``"2.23.4"``, as ``cupy``'s NCCL module reports it; ``""`` where
+    CuPy has no NCCL module or libnccl cannot load."""
+    try:
+        code = importlib.import_module(f"{cupy.__name__}.cuda.nccl").get_version()
+    except Exception:   # no NCCL module in this CuPy, or its library fails to load
+        return ""
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
 
 
 def _reduction_table() -> dict:
@@ -69,7 +80,8 @@ class NcclBackend:
         self._new_event = cuda.Event
         self._inflight: collections.deque = collections.deque()
         self._group: Any = None   # the open batch() block, if any
-        self._aborted = ""
+        self._aborted = ""        # why the NCCL communicator can no longer be used
+        self._peer_lost = False
         with self._device:
             if nccl_comm is None:
                 unique_id = broadcast_unique_id(mpi_comm, cuda.nccl.get_unique_id)
@@ -99,7 +111,7 @@ class NcclBackend:
                 stream: Any, unpack=()) -> Any:
         """Run ``call(*args, stream_ptr)`` on the comm stream (or ``stream``), ordered by events."""
         if self._aborted:
-            raise NcclError(f"{label}: the NCCL communicator was aborted ({self._aborted})")
+            raise self._was_aborted(label)
         self._tracker.seq += 1
         if self._group is not None:
             return self._launch_grouped(call, args, result, keep, label, stream, unpack)
@@ -282,7 +294,7 @@ class NcclBackend:
         if not hasattr(self._comm, "commSplit") or self._nccl_module.get_version() < 21801:
             return None
         if self._aborted:
-            raise NcclError(f"split: the NCCL communicator was aborted ({self._aborted})")
+            raise self._was_aborted("split")
         with self._device:
             return self._nccl(lambda: self._comm.commSplit(-1 if color is None else color, key),
                               "split")
@@ -301,8 +313,16 @@ class NcclBackend:
         self._current_stream().wait_event(event)
 
     def check_errors(self) -> None:
-        """Raise :class:`NcclError` if NCCL reported an asynchronous error."""
+        """Raise :class:`NcclError` if NCCL reported an asynchronous error or the communicator
+        was aborted (:class:`PeerLost` if that was for a peer that died)."""
+        if self._aborted:
+            raise self._was_aborted("wait")
         self._nccl(self._comm.check_async_error, "asynchronous error")
+
+    def _was_aborted(self, label: str) -> NcclError:
+        kind = PeerLost if self._peer_lost else NcclError
+        return kind(f"{label}: the NCCL communicator was aborted ({self._aborted}) on rank "
+                    f"{self._rank}")
 
     def expired(self, label: str, timeout: float) -> None:
         name, at, late, arrivals = self._tracker.arrivals(label)
@@ -313,12 +333,13 @@ class NcclBackend:
             f"communicator cannot run device collectives any more",
             collective=name, seq=at, missing=late)
 
-    def abort(self, reason: str) -> bool:
-        """Abort the NCCL communicator: its pending operations end, it cannot be used again.
-        Returns whether this call aborted it (False if it already was)."""
+    def abort(self, reason: str, peer_lost: bool = False) -> bool:
+        """Abort the NCCL communicator: its pending operations end, it cannot be used again
+        (``peer_lost``: because a peer died). Returns whether this call aborted it (False if
+        it already was)."""
         if self._aborted:
             return False
-        self._aborted = reason
+        self._aborted, self._peer_lost = reason, peer_lost
         self._comm.abort()
         return True
 

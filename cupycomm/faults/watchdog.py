@@ -25,7 +25,9 @@ ten times a second and:
   the timeout bounds it;
 - when the device backend has work that has not finished for longer than the timeout, or NCCL
   reports an asynchronous error: aborts the NCCL communicator (its kernels end, every later
-  device call raises :class:`~cupycomm.errors.NcclError`) and says so;
+  device call raises :class:`~cupycomm.errors.NcclError`) and says so; when a peer on this
+  node has died while such work is pending, at once, and later device calls (and the
+  pending Work's ``wait``/``synchronize``) raise :class:`~cupycomm.errors.PeerLost`;
 - while a call is blocked or device work is pending, and only then, re-arms a C-level timer
   (``faulthandler.dump_traceback_later``): if this thread cannot look for the timeout plus a
   margin (the timeout again, at least 10 s and at most 30 s, so that a loaded machine delaying
@@ -147,13 +149,22 @@ class Tracker:
                           f"{waited:.0f} s (timeout {self.timeout:g} s) on {describe_rank()}; "
                           f"{self._arrivals(at, name)[1]}; MPI cannot cancel a collective")
             elif self.board is not None:
-                self._check_peers(name, at, now)
+                gone = self._gone_peer(name, at, now)
+                if gone:
+                    abort_job(f"{gone} while {describe_rank()} waits in {name} #{at}")
         elif self.device is not None and self.device.has_pending_work():
             waited = self._waited(("device", seq), now)
             if waited > self.timeout:
                 self._abort_device(f"device collectives up to #{seq} on communicator "
                                    f"{self.name} have not finished after {waited:.0f} s "
                                    f"(timeout {self.timeout:g} s)")
+            elif self.board is not None:
+                # A peer that left cleanly closed its communicator, which waits for its
+                # device work: only a death can leave this rank's NCCL kernels waiting.
+                dead = self._gone_peer("", seq, now, left_counts=False)
+                if dead:
+                    self._abort_device(f"{dead} while device collectives up to #{seq} on "
+                                       f"{describe_rank()} wait", peer_lost=True)
         else:
             self._waiting = None
             waiting = False
@@ -163,12 +174,12 @@ class Tracker:
                 self._abort_device(f"NCCL reported an asynchronous error: {error}")
         return waiting
 
-    def _check_peers(self, name: str, at: int, now: float) -> None:
-        """End the job if a peer that this rank may be waiting for is gone (see the module
-        docstring for when a peer that left is taken for one)."""
+    def _gone_peer(self, name: str, at: int, now: float, left_counts: bool = True) -> str:
+        """A text naming a peer on this node that this rank may be waiting for in call ``at``
+        and that is gone, or '' (see the module docstring for when a peer that left counts)."""
         for row in self.board.peers():
             if row[LEFT]:
-                if (name in POINT_TO_POINT or row[SEQ] >= at
+                if (not left_counts or name in POINT_TO_POINT or row[SEQ] >= at
                         or now - row[LEFT_AT] / 1e9 < GRACE):
                     continue
                 how = ("closed the communicator" if row[LEFT] == CLOSED else
@@ -178,18 +189,19 @@ class Tracker:
                 state = "has died (its process ended: os._exit, a signal or a crash)"
             else:
                 continue
-            abort_job(f"rank {row[RANK]} of communicator {self.name} (pid {row[PID]}) {state} "
-                      f"while {describe_rank()} waits in {name} #{at}")
+            return f"rank {row[RANK]} of communicator {self.name} (pid {row[PID]}) {state}"
+        return ""
 
     def _waited(self, key: tuple, now: float) -> float:
         if self._waiting is None or self._waiting[0] != key:
             self._waiting = (key, now)
         return now - self._waiting[1]
 
-    def _abort_device(self, reason: str) -> None:
-        if self.device.abort(reason):
+    def _abort_device(self, reason: str, peer_lost: bool = False) -> None:
+        if self.device.abort(reason, peer_lost):
             sys.stderr.write(f"cupycomm watchdog: {reason} on {describe_rank()}; the NCCL "
-                             f"communicator was aborted: later device calls raise NcclError\n")
+                             f"communicator was aborted: later device calls raise "
+                             f"{'PeerLost' if peer_lost else 'NcclError'}\n")
             sys.stderr.flush()
         self._waiting = None
 

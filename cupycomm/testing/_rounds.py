@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import enum
 import pickle
-import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
+from ..work import poll_until
+
 __all__ = ["Point", "Round", "Rounds", "wait"]
 
 _TAG_RECORD, _TAG_DETAIL, _TAG_TABLE = 1, 2, 3
-_FIRST_SLEEP, _LONGEST_SLEEP = 5e-5, 0.01
 
 
 class Point(enum.IntEnum):
@@ -38,11 +38,8 @@ POINT, SEQ, CODE, EXTRA, NBYTES = range(5)
 
 
 def wait(requests: List[MPI.Request]) -> None:
-    """Wait for ``requests`` without spinning: test, then sleep 50 us growing to 10 ms."""
-    delay = _FIRST_SLEEP
-    while not MPI.Request.Testall(requests):
-        time.sleep(delay)
-        delay = min(delay * 1.5, _LONGEST_SLEEP)
+    """Wait for ``requests`` without spinning (sleeps growing to 10 ms: see poll_until)."""
+    poll_until(lambda: MPI.Request.Testall(requests), longest=0.01)
 
 
 class Round:

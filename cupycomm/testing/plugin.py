@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 import cupycomm
 from cupycomm import _bootstrap
+from cupycomm.backends.nccl import library_version
 from cupycomm.faults import abort
 
 from ._session import TIMEOUT, MpiSession
@@ -91,16 +92,11 @@ def pytest_report_header(config: pytest.Config) -> Optional[str]:
 
 
 def _cupy_versions() -> str:
-    try:
-        import cupy
-    except Exception:  # not installed, or its CUDA libraries fail to load
+    cupy = _bootstrap.import_cupy()
+    if cupy is None:
         return "no CuPy"
-    try:
-        from cupy.cuda import nccl
-        v = nccl.get_version()
-    except Exception:  # no NCCL library
-        return f"CuPy {cupy.__version__} without NCCL"
-    return f"CuPy {cupy.__version__} with NCCL {v // 10000}.{v % 10000 // 100}.{v % 100}"
+    version = library_version(cupy)
+    return f"CuPy {cupy.__version__} " + (f"with NCCL {version}" if version else "without NCCL")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:

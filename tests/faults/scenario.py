@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -46,7 +47,25 @@ def hold_the_gil_inside_a_collective(comm: cupycomm.Communicator, culprit: bool)
     comm.barrier()
 
 
+def device_peer_dies() -> None:
+    """The others wait for a device receive from the culprit (NCCL on the stand-in), which
+    dies: their watchdog aborts the NCCL communicator and the wait raises PeerLost."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import nccl_standin
+    comm = cupycomm.init(timeout=60.0, device_module=nccl_standin)
+    comm.init_device()
+    culprit = comm.size - 1
+    if comm.rank == culprit:
+        time.sleep(1.0)   # the others' receives are posted by then
+        os._exit(0)
+    work = comm.irecv(nccl_standin.empty(4), culprit)
+    work.synchronize()
+    print(f"rank {comm.rank} finished with a message from a dead rank", flush=True)
+
+
 def main(name: str) -> None:
+    if name == "device-peer-dies":
+        return device_peer_dies()
     debug = name.startswith("debug-")
     if name.startswith("hold-gil"):
         _watchdog.HOLD_MARGIN = (1.0, 1.0)

@@ -1,0 +1,78 @@
+"""The package's stated rules that a reader of the code can check: only ``_bootstrap`` touches
+``MPI.COMM_WORLD``; every NCCL call is made in ``backends/`` (the benchmark's raw baselines
+excepted: calling NCCL directly is their job); the backend contract lists what backends
+implement, and Foreign wraps exactly the collectives of the table of calls."""
+import ast
+import inspect
+import pathlib
+
+import pytest
+
+import cupycomm
+from cupycomm import _collectives, backends
+from cupycomm.backends.mpi import MPIBackend
+from cupycomm.backends.nccl import NcclBackend
+
+PACKAGE = pathlib.Path(cupycomm.__file__).parent
+NCCL_NAMES = {"nccl", "NcclCommunicator", "initAll", "groupStart", "groupEnd", "get_unique_id",
+              "commSplit", "allReduce", "reduceScatter", "allGather"}
+RAW_BASELINES = {pathlib.Path("bench/libraries.py"), pathlib.Path("bench/collectives.py")}
+
+
+def _modules():
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def _names_used(path):
+    """(line, name) of every attribute read, imported name and imported module in ``path``."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.ImportFrom):
+            if "backends" in (node.module or "").split("."):
+                continue   # the package's own backends, by their names
+            for part in (node.module or "").split("."):
+                yield node.lineno, part
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                for part in alias.name.split("."):
+                    yield node.lineno, part
+
+
+def _where(names, allowed):
+    return [f"{path.relative_to(PACKAGE.parent)}:{line} uses {name}"
+            for path in _modules() if not allowed(path.relative_to(PACKAGE))
+            for line, name in _names_used(path) if name in names]
+
+
+def test_only_bootstrap_touches_comm_world():
+    assert _where({"COMM_WORLD"}, lambda p: p == pathlib.Path("_bootstrap.py")) == []
+
+
+def test_every_nccl_call_is_in_backends():
+    allowed = lambda p: p.parts[0] == "backends" or p in RAW_BASELINES
+    assert _where(NCCL_NAMES, allowed) == []
+
+
+def _methods(protocol):
+    return {name for klass in protocol.__mro__ if klass.__module__ == backends.__name__
+            for name, member in vars(klass).items()
+            if callable(member) and not name.startswith("_")}
+
+
+@pytest.mark.parametrize("backend,protocol", [(MPIBackend, backends.HostBackend),
+                                              (NcclBackend, backends.DeviceBackend)])
+def test_backends_implement_their_whole_contract(backend, protocol):
+    for name in _methods(protocol):
+        ours = inspect.signature(getattr(backend, name)).parameters
+        theirs = inspect.signature(getattr(protocol, name)).parameters
+        assert list(ours) == list(theirs), f"{backend.__name__}.{name}"
+
+
+def test_the_contracts_collectives_are_the_tables_backend_methods():
+    ours = _methods(backends.Collectives) - {"empty", "begin_group", "end_group", "close"}
+    assert ours == set(_collectives.BACKEND_METHODS)
