@@ -114,6 +114,9 @@ else:
     _ROWS.append(_row(ml_dtypes.bfloat16, _ALL, "BFLOAT16_T", NCCL_BFLOAT16))
 
 DTYPES: Mapping[np.dtype, DtypeRow] = {row.dtype: row for row in _ROWS}
+"""The dtypes cupycomm accepts, each with its row: the ops it allows, its MPI and NCCL types
+(``bfloat16`` only where ml_dtypes is installed). ``numpy.dtype(x) in cupycomm.DTYPES`` tells
+whether an array can be communicated."""
 
 
 def op_error(row: DtypeRow, op) -> str:

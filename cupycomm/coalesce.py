@@ -8,7 +8,7 @@ instead of hundreds:
   each buffer once, and copies the results back into the arrays. Packing is one
   ``concatenate`` per buffer (one kernel on a GPU); the copies back are one assignment per
   array from a view of the buffer shaped as that array. Buffers and views are kept from call
-  to call for the shapes last used (:class:`Staging`): a training step allocates nothing.
+  to call for the shapes last used (``Staging``): a training step allocates nothing.
 - ``comm.bucket(arrays)`` is the persistent form (DDP's gradient-as-bucket-view): it copies
   the arrays once into one flat buffer per dtype, and ``bucket.arrays`` are views into it,
   to use in place of the originals. Each ``bucket.all_reduce()`` or ``bucket.broadcast()``

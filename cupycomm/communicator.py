@@ -71,21 +71,6 @@ class Communicator(Dispatch, Validation):
         comm.all_reduce(x)
         # Rank 0: array([3., 6.])
         # Rank 1: array([3., 6.])
-
-    State that helper modules may read or write (and nothing else of it):
-
-    - ``rank``, ``size``, ``timeout``, ``debug``, ``name``: read by all.
-    - ``_backends`` (array type -> backend), ``_host`` (the MPI backend), ``_nccl`` (the NCCL
-      backend once made by ``init_device``), ``_cupy`` (the device module, loaded lazily):
-      read by ``_dispatch`` (which adds array types to ``_backends`` and loads ``_cupy``),
-      ``coalesce`` and ``faults.debug`` (the host backend's control calls).
-    - ``_batch`` (the open ``batch()`` block) and ``_closed``: read by ``_dispatch`` and
-      ``_validate``.
-    - ``_tracker`` (the watchdog's :class:`~cupycomm.faults.watchdog.Tracker`): ``objects``
-      counts its calls there; ``faults.debug`` reads the count.
-    - ``_staging``: ``coalesce``'s buffers; ``_objects``: ``objects``' pickle transport (a
-      duplicate MPI communicator it makes on first use).
-    - ``faults.debug`` replaces the checked collectives by instance attributes.
     """
 
     def __init__(self, mpi_comm: MPI.Comm, *, device: Optional[int] = None,
@@ -95,7 +80,23 @@ class Communicator(Dispatch, Validation):
         """Collective over ``mpi_comm``, which the communicator owns from now on (it frees it
         on close). Use :func:`cupycomm.init`, ``split`` or ``new_group``, not this constructor.
         ``device_rank`` is the local rank the device is chosen by (a subgroup keeps its
-        parent's); ``nccl_comm``, an NCCL communicator already made for these ranks."""
+        parent's); ``nccl_comm``, an NCCL communicator already made for these ranks.
+
+        State that helper modules may read or write (and nothing else of it):
+
+        - ``rank``, ``size``, ``timeout``, ``debug``, ``name``: read by all.
+        - ``_backends`` (array type -> backend), ``_host`` (the MPI backend), ``_nccl`` (the
+          NCCL backend once made by ``init_device``), ``_cupy`` (the device module, loaded
+          lazily): read by ``_dispatch`` (which adds array types to ``_backends`` and loads
+          ``_cupy``), ``coalesce`` and ``faults.debug`` (the host backend's control calls).
+        - ``_batch`` (the open ``batch()`` block) and ``_closed``: read by ``_dispatch`` and
+          ``_validate``.
+        - ``_tracker`` (the watchdog's :class:`~cupycomm.faults.watchdog.Tracker`):
+          ``objects`` counts its calls there; ``faults.debug`` reads the count.
+        - ``_staging``: ``coalesce``'s buffers; ``_objects``: ``objects``' pickle transport (a
+          duplicate MPI communicator it makes on first use).
+        - ``faults.debug`` replaces the checked collectives by instance attributes.
+        """
         self._mpi = mpi_comm
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
@@ -135,6 +136,7 @@ class Communicator(Dispatch, Validation):
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has run."""
         return self._closed
 
     @property
@@ -149,8 +151,8 @@ class Communicator(Dispatch, Validation):
 
     @property
     def xp(self) -> Any:
-        """The array module for this rank: CuPy, with this rank's device made current, when a
-        GPU is present; NumPy otherwise. Lets one program run on GPUs and on CPUs unchanged."""
+        """This rank's array module, CuPy (with this rank's device made current) when a GPU is
+        present and NumPy otherwise, so that one program runs on GPUs and on CPUs unchanged."""
         device = self.device
         if device is None:
             return np

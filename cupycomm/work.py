@@ -12,8 +12,10 @@ several requests or events (a ``batch()`` block); it completes when all of them 
 - device: makes the caller's current CUDA stream wait for the collective and returns at once,
   as torch.distributed does; ``synchronize()`` blocks the host instead.
 
-``wait(timeout=s)`` blocks the host (on the device too) for at most ``s`` seconds and then
-raises :class:`~cupycomm.errors.CollectiveTimeout`.
+``wait(timeout=s)`` blocks the host (on the device too) for at most ``s`` seconds. Past that,
+a device Work aborts the NCCL communicator and raises
+:class:`~cupycomm.errors.CollectiveTimeout`; a host Work ends the job with a report (MPI cannot
+cancel a collective), as a blocking collective past the communicator's timeout does.
 """
 from __future__ import annotations
 

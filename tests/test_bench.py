@@ -224,10 +224,10 @@ def test_median_ratio_and_added_time_against_the_first():
     assert (raw, ratio, added) == (1.0, 2.5, 1.5)
 
 
-def test_readme_options_table_names_every_collective_and_option():
+def test_docs_options_table_names_every_collective_and_option():
     from cupycomm.bench.cli import _parser
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Benchmarks"):readme.index("### Latest CPU results")]
+    page = (ROOT / "docs" / "guide" / "benchmarks.md").read_text()
+    section = page[page.index("## Options"):page.index("## How it measures")]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     (names,) = [line for line in rows if line.startswith("| `collective ...`")]
     assert [row.name for row in TABLE] == names.split("`")[3].split()

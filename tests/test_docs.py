@@ -1,15 +1,130 @@
-"""The project's docs stay true: the README's generated tables are those of the code."""
+"""The project's docs stay true: the generated tables are those of the code, and every Python
+snippet of README.md and docs/ runs as its first line says.
+
+A snippet's first line says how it runs, and the test runs it so (in a temporary directory,
+under the file name given):
+
+- ``# mpiexec -n 2 python name.py``: on 2 ranks (``run_mpiexec``); MPICH's
+  ``-disable-auto-cleanup`` before ``-n`` becomes :func:`no_auto_cleanup`'s options;
+- ``# mpiexec -n 2 python -m pytest test_name.py``: a test file run by pytest on 2 ranks;
+- ``# python name.py``: one process, no launcher;
+- ``# needs a GPU: <one of the above>`` (or ``# needs 2 GPUs: ...``): not run here (CI has
+  no GPU), only compiled.
+
+A Python snippet without such a line fails the test: every snippet either runs or says why
+it cannot. Shell blocks are commands to type, not run by this test, except the README's
+self-check.
+"""
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from cupycomm._docs import call_table, dtype_table, variable_table
+from cupycomm.testing import launch_environment, no_auto_cleanup, run_mpiexec
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+pytestmark = pytest.mark.mpi(max_size=1)   # the snippets start jobs of their own
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README] + sorted(p for p in (ROOT / "docs").rglob("*.md")
+                                      if "_build" not in p.parts)
+TIMEOUT = 120
+
+HEADER = re.compile(r"# (?P<gpu>needs (?:a GPU|\d+ GPUs): )?"
+                    r"(?:mpiexec (?P<options>(?:-\S+ )*)-n (?P<n>\d+) )?"
+                    r"python (?P<args>\S.*?)\s*$")
+FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 
 
-@pytest.mark.parametrize("table", [dtype_table, call_table, variable_table])
-def test_readme_tables_are_generated_from_the_code(table):
-    assert table() in README.read_text(), (
-        f"README.md's {table.__name__} is stale; paste the output of python -m cupycomm._docs "
-        f"there")
+def snippets(page):
+    """(line number, info string, text) of each fenced code block of a Markdown page."""
+    lines = page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if opening is None:
+            i += 1
+            continue
+        fence, start = opening["fence"], i + 1
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            i += 1
+        yield start, opening["info"].strip(), "\n".join(lines[start:i]) + "\n"
+        i += 1
+
+
+def python_snippets():
+    for page in PAGES:
+        for line, info, text in snippets(page):
+            if info == "python":
+                yield pytest.param(text, id=f"{page.relative_to(ROOT)}:{line}")
+
+
+# -- generated tables -------------------------------------------------------------------------------
+@pytest.mark.parametrize("table, page", [
+    (dtype_table, "docs/guide/dtypes-and-ops.md"),
+    (call_table, "docs/guide/collectives.md"),
+    (variable_table, "docs/reference/environment.md"),
+])
+def test_generated_tables_are_those_of_the_code(table, page):
+    assert table() in (ROOT / page).read_text(), (
+        f"{page}'s {table.__name__} is stale; paste there the output of "
+        f"python -m cupycomm._docs")
+
+
+# -- the README: a front page -------------------------------------------------------------------
+LINK = re.compile(r"\]\((?P<target>[^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_readme_is_a_front_page_whose_links_work():
+    """At most 8 KiB (the rest belongs in docs/), and every relative link names a file of
+    the repository (the docs build checks the links between the pages themselves)."""
+    text = README.read_text()
+    assert len(text.encode()) <= 8 * 1024, "README.md is the front page: move details to docs/"
+    targets = [m["target"] for m in LINK.finditer(text) if "://" not in m["target"]]
+    assert len(targets) >= 10
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_the_self_check_passes_as_the_readme_runs_it():
+    command = ".venv/bin/mpiexec -n 4 .venv/bin/python -m cupycomm"
+    assert command in README.read_text()
+    job = run_mpiexec(4, "-m", "cupycomm", timeout=TIMEOUT)
+    assert job.returncode == 0, job.output
+    assert "self-check passed" in job.stdout
+
+
+# -- snippets -------------------------------------------------------------------------------------------
+def test_the_pages_have_python_snippets():
+    """The parser finds the snippets (else the test below would check nothing)."""
+    assert len(list(python_snippets())) >= 20
+
+
+@pytest.mark.parametrize("text", list(python_snippets()))
+def test_snippet_runs(text, tmp_path):
+    first = text.splitlines()[0]
+    header = HEADER.match(first)
+    assert header, (f"the snippet's first line is {first!r}, not '# [needs a GPU: ][mpiexec "
+                    f"-n N ]python FILE.py ...' (see this file's docstring)")
+    args = header["args"].split()
+    script = next(a for a in args if a.endswith(".py"))
+    (tmp_path / script).write_text(text)
+    compile(text, script, "exec")
+    if header["gpu"]:
+        return   # needs a GPU: compiled only (CI has none); the snippet says so
+    if header["n"] is None:
+        job = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=TIMEOUT, env=launch_environment())
+        assert job.returncode == 0, job.stdout + job.stderr
+        return
+    options = header["options"].split()
+    if "-disable-auto-cleanup" in options:
+        options = [o for o in options if o != "-disable-auto-cleanup"] + no_auto_cleanup()
+    job = run_mpiexec(int(header["n"]), *args, timeout=TIMEOUT, cwd=str(tmp_path),
+                      mpiexec_args=options)
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output

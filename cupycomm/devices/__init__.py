@@ -1,10 +1,10 @@
-"""One process, many GPUs: the torch.cuda.comm family (:mod:`.comm`) and prefetch.
+"""One process, many GPUs: the torch.cuda.comm family (``comm.py``) and prefetch.
 
-- :mod:`.comm`: broadcast, scatter, gather and sums across this process's devices, and
-  parallel_apply; :mod:`.places` checks their arguments (places are GPU ids or ``"cpu"``);
-  :mod:`.copies` moves the data (NCCL groups go through :mod:`cupycomm.backends.local`);
-  :mod:`.nested` walks nested tuples, lists and dicts of arrays.
-- :mod:`.prefetch`: host-to-device copies of batches on a side stream, ahead of their use.
+- ``comm.py``: broadcast, scatter, gather and sums across this process's devices, and
+  parallel_apply; ``places.py`` checks their arguments (places are GPU ids or ``"cpu"``);
+  ``copies.py`` moves the data (NCCL groups go through ``cupycomm/backends/local.py``);
+  ``nested.py`` walks nested tuples, lists and dicts of arrays.
+- ``prefetch.py``: host-to-device copies of batches on a side stream, ahead of their use.
 """
 from .comm import (BUFFER_BYTES, HOST, broadcast, broadcast_coalesced, count, gather,
                    parallel_apply, reduce_add, reduce_add_coalesced, scatter)

@@ -150,7 +150,7 @@ def scatter(x: Any, devices: Optional[Sequence[Any]] = None,
         with ``devices``.
 
     Returns:
-        A tuple of the chunks: new arrays, or the arrays of ``out``.
+        The chunks as a tuple of new arrays, or the arrays of ``out``.
 
     Example (2 GPUs)::
 

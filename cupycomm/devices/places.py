@@ -21,6 +21,8 @@ from .._validate import kind_name
 __all__ = ["HOST", "Place", "Lib", "describe", "brief", "with_length"]
 
 HOST = "cpu"
+"""The place that means host memory: where a GPU id can be given, ``"cpu"`` puts the part in
+a NumPy array."""
 Place = Union[int, str]
 
 

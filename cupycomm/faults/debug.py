@@ -9,14 +9,14 @@ out: ``out`` (where a rank puts its result is its own affair), arguments only th
 reads (scatter's ``x``), async_op, stream and the objects of object collectives. Point-to-
 point calls are not checked (only two ranks take part).
 Cost: building the fingerprint and one allgather of its 8-byte checksum per collective;
-the whole fingerprints travel only when the checksums differ (see the README for the
-measured figure).
+the whole fingerprints travel only when the checksums differ (docs/guide/debug-mode.md gives
+the measured figure).
 
 Example of the error, raised on every rank::
 
     CollectiveMismatch: all_reduce #4: ranks disagree: rank 2 called all_reduce with x: 12
-    float32 (numpy), op: sum, out: None; ranks [0, 1, 3] called all_reduce with x: 10
-    float32 (numpy), op: sum, out: None (seen on rank 0)
+    float32 (numpy), op: sum; ranks [0, 1, 3] called all_reduce with x: 10 float32 (numpy),
+    op: sum (seen on rank 0)
 """
 from __future__ import annotations
 
