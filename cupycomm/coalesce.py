@@ -191,6 +191,7 @@ class Bucket:
             for i, view in zip(indices, plan.views):
                 views[i] = view
             self.flats.append(plan.flat)
+        #: The arrays as views of the bucket's buffers; use these in place of the originals.
         self.arrays: List[Any] = views
 
     def _each(self, call) -> Union[List[Any], Work]:

@@ -11,8 +11,8 @@ Semantics shared by every method (documented here once):
   shape allocate their result when ``out`` is None. ``reduce`` and ``gather`` return None
   off the root.
 - **async_op=True** returns a :class:`~cupycomm.work.Work`; ``work.wait()`` gives the result.
-- **Streams (device).** See :mod:`cupycomm.backends.nccl`: ordered with the caller's current
-  stream by events, never blocking the host; ``stream=`` launches on that stream instead.
+- **Streams (device).** Ordered with the caller's current stream by events, never blocking
+  the host; ``stream=`` launches on that stream instead (the code: ``backends/nccl.py``).
 - **Validation.** Every argument is checked before any communication: array kind, dtype,
   contiguity, device, ``out`` shape and dtype, root and peer ranks, op for the dtype. A bad
   argument raises TypeError or ValueError naming the collective, the argument, the value and
@@ -501,13 +501,14 @@ class Communicator(Dispatch, Validation):
         receives to both neighbours, in any order, cannot deadlock; a block that raises
         issues nothing. Every call inside returns a Work. See :mod:`cupycomm.batch`.
 
-        Example (a ring, any number of ranks)::
+        Example (3 ranks)::
 
             right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-            with comm.batch():
+            mine, from_left = numpy.full(2, comm.rank), numpy.empty(2, int)
+            with comm.batch():                  # a ring of any size
                 comm.irecv(from_left, left)
                 comm.isend(mine, right)
-            # from_left now holds the left neighbour's array
+            # from_left now holds the left neighbour's array: Rank 0: [2, 2]  Rank 1: [0, 0]
         """
         self._check_open("batch")
         if self._batch is not None:
@@ -696,11 +697,14 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
         device_module: the module that provides device arrays, streams and NCCL; default
             CuPy. The test suite passes its host-memory NCCL stand-in here.
 
-    Example::
+    Example (2 ranks)::
 
-        comm = cupycomm.init()            # under mpiexec -n 4: ranks 0..3
-        with cupycomm.init(MPI.COMM_WORLD.Split(color)) as sub:
-            sub.all_reduce(x)
+        from mpi4py import MPI
+        comm = cupycomm.init()                  # every rank of the job
+        alone = MPI.COMM_WORLD.Split(comm.rank)  # an mpi4py communicator of your own
+        with cupycomm.init(alone) as sub:       # built on a duplicate of it
+            sub.all_reduce(numpy.ones(2))       # Rank 0: array([1., 1.])  Rank 1: the same
+        alone.Free()
     """
     global _default
     if timeout is not None and not timeout > 0:

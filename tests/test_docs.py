@@ -18,6 +18,7 @@ self-check.
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ TIMEOUT = 120
 HEADER = re.compile(r"# (?P<gpu>needs (?:a GPU|\d+ GPUs): )?"
                     r"(?:mpiexec (?P<options>(?:-\S+ )*)-n (?P<n>\d+) )?"
                     r"python (?P<args>\S.*?)\s*$")
+DOC_EXAMPLE = re.compile(r"^(?P<indent> *)Example \((?P<n>\d+) ranks\)::$")
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 
 
@@ -102,6 +104,34 @@ def test_the_self_check_passes_as_the_readme_runs_it():
 def test_the_pages_have_python_snippets():
     """The parser finds the snippets (else the test below would check nothing)."""
     assert len(list(python_snippets())) >= 20
+
+
+def docstring_examples():
+    """The ``Example (N ranks)::`` blocks of the package's docstrings, as (N, code)."""
+    for path in sorted((ROOT / "cupycomm").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            found = DOC_EXAMPLE.match(line)
+            if found is None:
+                continue
+            indent, body = len(found["indent"]), []
+            for text in lines[i + 2:]:
+                if text.strip() and (len(text) - len(text.lstrip()) <= indent or '"""' in text):
+                    break
+                body.append(text)
+            yield pytest.param(int(found["n"]), textwrap.dedent("\n".join(body)),
+                               id=f"{path.relative_to(ROOT)}:{i + 1}")
+
+
+@pytest.mark.parametrize("n, code", list(docstring_examples()))
+def test_docstring_example_runs(n, code, tmp_path):
+    """The examples of the API reference that say how many ranks they need run on that many
+    (with ``numpy``, ``cupycomm`` and ``comm = cupycomm.init()`` given); their ``# Rank r:``
+    comments are read by people, not checked."""
+    (tmp_path / "example.py").write_text("import numpy\nimport cupycomm\n"
+                                         "comm = cupycomm.init()\n" + code)
+    job = run_mpiexec(n, "example.py", timeout=TIMEOUT, cwd=str(tmp_path))
+    assert job.returncode == 0, code + job.output
 
 
 @pytest.mark.parametrize("text", list(python_snippets()))
