@@ -3,8 +3,8 @@ with a hard bound, and must end the whole job quickly, non-zero, saying which ra
 
 These tests start mpiexec jobs of their own, so they run in the single-process pass of the
 suite (mpiexec does not nest inside an mpiexec run) and skip under mpiexec on every rank.
-The jobs run as the README recommends, with MPICH's ``-disable-auto-cleanup``: the watchdog,
-not the launcher, must end them.
+The jobs run as docs/guide/faults-and-timeouts.md recommends, with MPICH's
+``-disable-auto-cleanup``: the watchdog, not the launcher, must end them.
 """
 from pathlib import Path
 

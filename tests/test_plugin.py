@@ -26,7 +26,7 @@ SIZES = [2, 3]
 
 def run_cases(n, *args, timeout=90):
     """``mpiexec -n n python -m pytest *args`` in the scratch suites' directory, with the
-    launcher's options that the README recommends."""
+    launcher's options that docs/guide/testing.md recommends."""
     return run_mpiexec(n, "-m", "pytest", "-p", "no:cacheprovider", *args, timeout=timeout,
                        cwd=str(CASES), mpiexec_args=no_auto_cleanup())
 
