@@ -277,7 +277,7 @@ def test_launch_environment_drops_the_launchers_variables(monkeypatch):
     assert env["EXTRA"] == "1" and env["PATH"] == os.environ["PATH"]
 
 
-def test_no_auto_cleanup_is_for_hydra_only(tmp_path):
+def test_no_auto_cleanup_is_for_hydra_only_among_mpiexecs(tmp_path):
     other = tmp_path / "mpiexec"
     other.write_text("#!/bin/sh\necho 'mpiexec (Open MPI) 5.0.3'\n")
     other.chmod(0o755)

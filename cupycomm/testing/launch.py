@@ -1,28 +1,26 @@
 """Run ``mpiexec -n N python ...`` from a test, with a hard time bound.
 
 For tests that must start a job of their own: fault scripts, examples, the plugin's own
-scratch suites. The child job gets the parent's environment without the variables that MPI
-launchers give their ranks (``PMI_*``, ``PMIX_*``, ``HYDI_*``/``HYDRA_*``, ``MPI_LOCAL*``,
-``OMPI_*``/``PRTE_*``), so that it starts as a job of its own even when the test itself runs
-under ``mpiexec``. :func:`no_auto_cleanup` gives the options that leave the ending of a failed
-job to cupycomm.
+scratch suites. The launcher is the environment's (:func:`cupycomm.launchers.find`), with the
+options it needs (Open MPI's ``--oversubscribe`` past the cores). The child job gets the
+parent's environment without the variables that MPI launchers give their ranks, keeping the
+user's launcher configuration (:meth:`cupycomm.launchers.Launcher.environment`), so that it
+starts as a job of its own even when the test itself runs under ``mpiexec``.
+:func:`no_auto_cleanup` gives the options that leave the ending of a failed job to cupycomm.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
-__all__ = ["Launched", "run_mpiexec", "launch_environment", "no_auto_cleanup"]
+from .. import launchers
 
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
-                      "OMPI_", "PRTE_")
+__all__ = ["Launched", "run_mpiexec", "launch_environment", "no_auto_cleanup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +45,7 @@ class Launched:
 
 def launch_environment(extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """This process's environment without the launcher's variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env = launchers.nested_environment(os.environ)
     env.update(extra or {})
     return env
 
@@ -64,8 +62,9 @@ def run_mpiexec(n: int, *args: str, timeout: float, env: Optional[Mapping[str, s
             one process group) is killed and ``timed_out`` is set.
         env: variables to add to the scrubbed environment (see :func:`launch_environment`).
         cwd: the directory to run in.
-        mpiexec: the launcher; default: the ``mpiexec`` next to this Python, else on PATH.
-        mpiexec_args: options of the launcher, e.g. ``["-disable-auto-cleanup"]``.
+        mpiexec: the launcher; default: :func:`cupycomm.launchers.find`'s (``$MPIEXEC``,
+            the ``mpiexec`` next to this Python, else the one on PATH).
+        mpiexec_args: more options of the launcher, e.g. :func:`no_auto_cleanup`'s.
 
     Example::
 
@@ -77,8 +76,8 @@ def run_mpiexec(n: int, *args: str, timeout: float, env: Optional[Mapping[str, s
     if not timeout > 0:
         raise ValueError(f"run_mpiexec: timeout must be a positive number of seconds, "
                          f"got {timeout!r}")
-    launcher = mpiexec or _find_mpiexec()
-    argv = [launcher, *mpiexec_args, "-n", str(n), sys.executable, *args]
+    command = launchers.find(mpiexec).command(n)
+    argv = [command[0], *mpiexec_args, *command[1:], sys.executable, *args]
     start = time.monotonic()
     # A session of its own: on timeout, one signal reaches mpiexec and every rank it started.
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -95,32 +94,14 @@ def run_mpiexec(n: int, *args: str, timeout: float, env: Optional[Mapping[str, s
 
 
 def no_auto_cleanup(mpiexec: Optional[str] = None) -> List[str]:
-    """``["-disable-auto-cleanup"]`` for MPICH's mpiexec (hydra), else ``[]``.
+    """The launcher's options that leave the ending of a failed job to cupycomm.
 
-    When a rank's process ends without MPI_Finalize (``os._exit``, a signal), hydra kills the
-    other ranks itself, racing cupycomm's watchdog, and for an ``os._exit(0)`` its own exit
-    status is then sometimes 0. With the option the survivors go on, and the watchdog (or the
-    pytest plugin's hang guard) names the rank and ends the job non-zero. Other launchers
-    (Open MPI's ``mpirun`` reports such an exit itself) get no option.
+    ``["-disable-auto-cleanup"]`` for hydra (MPICH's and Intel MPI's mpiexec),
+    ``["--kill-on-bad-exit=0"]`` for srun, else ``[]``: see
+    :attr:`cupycomm.launchers.Launcher.cleanup_options`.
 
     Example::
 
         job = run_mpiexec(3, "scenario.py", timeout=60, mpiexec_args=no_auto_cleanup())
     """
-    return list(_cleanup_options(mpiexec or _find_mpiexec()))
-
-
-@functools.lru_cache(maxsize=None)
-def _cleanup_options(launcher: str) -> tuple:
-    version = subprocess.run([launcher, "--version"], capture_output=True, text=True,
-                             errors="replace", timeout=60, env=launch_environment())
-    return ("-disable-auto-cleanup",) if "HYDRA" in version.stdout + version.stderr else ()
-
-
-def _find_mpiexec() -> str:
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
-    if found is None:
-        raise FileNotFoundError("run_mpiexec: no mpiexec next to this Python or on PATH; "
-                                "install one (pip install mpich) or pass mpiexec=")
-    return found
+    return launchers.find(mpiexec).cleanup_options

@@ -1,0 +1,268 @@
+"""What cupycomm knows about MPI launchers: how to name one, the flags a job needs, its variables.
+
+Four kinds, told apart by what ``--version`` prints:
+
+============  ==========================================  =================================
+kind          launcher                                    ``--version`` says
+============  ==========================================  =================================
+``hydra``     MPICH's ``mpiexec`` (and MVAPICH's)         ``HYDRA build details``
+``openmpi``   Open MPI's ``mpiexec``/``mpirun``, PRRTE    ``mpiexec (Open MPI) 5.0.11``
+``intelmpi``  Intel MPI's ``mpiexec`` (a hydra of its     ``Intel(R) MPI Library ...``
+              own)
+``srun``      Slurm                                       ``slurm 23.11.4``
+============  ==========================================  =================================
+
+Anything else is ``other``: it gets a plain ``-n N``. :func:`find` names the launcher of the
+environment we run in; :meth:`Launcher.command` gives the argv of a job up to the program, and
+:meth:`Launcher.environment` the environment of a job started from inside a rank. ``python -m
+cupycomm.launchers -n 3`` prints that argv, shell-quoted (``tests/run.sh`` uses it).
+:func:`library_kind` names the MPI library from ``MPI.Get_library_version()``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = ["Launcher", "find", "nested_environment", "library_kind", "KINDS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """One row of the launcher table: how to recognise it, what a job needs, what it sets."""
+    signature: str                   # a regular expression on the --version output
+    cleanup: Tuple[str, ...]         # options that leave ending a failed job to cupycomm
+    oversubscribe: Tuple[str, ...]   # options it needs to start more ranks than cores
+    gives: Tuple[str, ...]           # variables it gives its ranks (``X_*``: a prefix)
+    gives_as_configuration: Tuple[str, ...] = ()  # ...named like the user's configuration
+
+
+# Measured by diffing `env` in a rank against its parent (the MPICH 4, Open MPI 5.0.11 and
+# Intel MPI 2021 wheels) and, for Slurm, from srun(1)'s OUTPUT ENVIRONMENT VARIABLES. Order
+# matters for recognition: Intel's mpiexec is a hydra too, so it is tried first.
+KINDS: Dict[str, _Kind] = {
+    "intelmpi": _Kind(
+        signature=r"Intel\(R\) MPI",
+        cleanup=("-disable-auto-cleanup",),
+        oversubscribe=(),
+        gives=("PMI_*", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "HYDI_*", "HYDRA_BSTRAP_*",
+               "HYDRA_IP_VERSION", "HYDRA_LAUNCH_TYPE", "I_MPI_INFO_*", "I_MPI_PIN_INFO",
+               "I_MPI_PIN_MAPPING", "I_MPI_HYDRA_UUID", "I_MPI_HYDRA_TOPOLIB",
+               "I_MPI_BIND_WIN_ALLOCATE", "I_MPI_INTERNAL_MEM_POLICY",
+               "I_MPI_RETURN_WIN_MEM_NUMA")),
+    "hydra": _Kind(
+        signature=r"HYDRA",
+        cleanup=("-disable-auto-cleanup",),
+        oversubscribe=(),
+        gives=("PMI_*", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "HYDI_*")),
+    "openmpi": _Kind(
+        signature=r"Open MPI|OpenRTE|PRRTE|prterun",
+        cleanup=(),
+        oversubscribe=("--oversubscribe",),
+        gives=("OMPI_*", "PMIX_*", "PRTE_*", "OPAL_USER_PARAMS_GIVEN"),
+        # 5.x sets the first four; 4.x's mpirun the orte_*, ess and pmix ones
+        gives_as_configuration=("OMPI_MCA_PREFIXES", "OMPI_MCA_cpu_type",
+                                "OMPI_MCA_initial_wdir", "OMPI_MCA_num_procs",
+                                "OMPI_MCA_orte_*", "OMPI_MCA_ess", "OMPI_MCA_ess_base_*",
+                                "OMPI_MCA_pmix", "OMPI_MCA_shmem_RUNTIME_QUERY_hint")),
+    "srun": _Kind(
+        signature=r"^slurm ",
+        cleanup=("--kill-on-bad-exit=0",),
+        oversubscribe=(),
+        gives=("PMI_*", "PMIX_*", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
+               "SLURM_GTIDS", "SLURM_TASK_PID", "SLURM_STEP_*", "SLURM_STEPID",
+               "SLURM_SRUN_COMM_*", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_CPU_BIND*",
+               "SLURM_TOPOLOGY_ADDR*", "SLURM_PRIO_PROCESS", "SLURM_UMASK",
+               "SLURM_DISTRIBUTION")),
+    "other": _Kind(signature=r"(?!)", cleanup=(), oversubscribe=(), gives=()),
+}
+
+# The user's configuration inside the launchers' namespaces: kept although a prefix above
+# (OMPI_*, PMIX_*, PRTE_*) matches, unless a row lists the name in gives_as_configuration.
+_CONFIGURATION = ("OMPI_MCA_*", "PMIX_MCA_*", "PRTE_MCA_*", "OMPI_ALLOW_RUN_AS_ROOT",
+                  "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_CC", "OMPI_CXX", "OMPI_FC",
+                  "OMPI_CPPFLAGS", "OMPI_CFLAGS", "OMPI_CXXFLAGS", "OMPI_FCFLAGS",
+                  "OMPI_LDFLAGS", "OMPI_LIBS")
+_GIVEN = tuple(p for row in KINDS.values() for p in row.gives)
+_GIVEN_AS_CONFIGURATION = tuple(p for row in KINDS.values() for p in row.gives_as_configuration)
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in patterns)
+
+
+def _given_by_a_launcher(name: str) -> bool:
+    if _matches(name, _GIVEN_AS_CONFIGURATION):
+        return True
+    return _matches(name, _GIVEN) and not _matches(name, _CONFIGURATION)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # macOS
+        return os.cpu_count() or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    """A launcher found on this machine.
+
+    Attributes:
+        kind: ``"hydra"`` (MPICH), ``"openmpi"`` (Open MPI / PRRTE), ``"intelmpi"``,
+            ``"srun"`` or ``"other"``.
+        executable: the absolute path of mpiexec / mpirun / srun.
+        version: the first line its ``--version`` printed.
+    """
+    kind: str
+    executable: str
+    version: str
+
+    @property
+    def cleanup_options(self) -> List[str]:
+        """The options that leave the ending of a failed job to cupycomm (``[]`` if none).
+
+        hydra (MPICH's and Intel's) kills every rank itself when one exits without
+        ``MPI_Finalize``, racing cupycomm's watchdog, and for an ``os._exit(0)`` then sometimes
+        exits 0; with ``-disable-auto-cleanup`` the survivors go on and the watchdog (or the
+        pytest plugin's hang guard) names the rank and ends the job non-zero. srun gets
+        ``--kill-on-bad-exit=0`` for the same reason. Open MPI reports such an exit itself and
+        gets nothing.
+        """
+        return list(KINDS[self.kind].cleanup)
+
+    def command(self, n: int, *, leave_cleanup_to_cupycomm: bool = False) -> List[str]:
+        """The argv of an ``n``-rank job up to the program.
+
+        ``[mpiexec, "-n", "3", ...]`` plus the options this launcher needs: Open MPI's
+        ``--oversubscribe`` when ``n`` is more than this machine's cores, and with
+        ``leave_cleanup_to_cupycomm`` the :attr:`cleanup_options`.
+
+        Example::
+
+            argv = find().command(3) + [sys.executable, "train.py"]
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Launcher.command: n must be a number of ranks >= 1, got {n!r}")
+        row = KINDS[self.kind]
+        argv = [self.executable, *(row.cleanup if leave_cleanup_to_cupycomm else ()),
+                "-n", str(n)]
+        if n > _cores():
+            argv += row.oversubscribe
+        return argv
+
+    def environment(self, environ: Mapping[str, str]) -> Dict[str, str]:
+        """The environment for a job started from inside a rank.
+
+        Drops the variables that MPI launchers give their ranks (every kind's, not only this
+        one's: a test run under srun may start a job with mpiexec), so that the job starts as a
+        job of its own; keeps the user's configuration (``OMPI_MCA_*``, ``PMIX_MCA_*``, the
+        run-as-root consent, ``I_MPI_*`` and ``MPIR_CVAR_*`` settings, ``HYDRA_*``, the Slurm
+        allocation's ``SLURM_JOB_*``).
+
+        Example::
+
+            env = find().environment(os.environ)
+            assert "PMI_RANK" not in env
+        """
+        return nested_environment(environ)
+
+
+def nested_environment(environ: Mapping[str, str]) -> Dict[str, str]:
+    """:meth:`Launcher.environment`, for when no launcher is at hand yet."""
+    return {k: v for k, v in environ.items() if not _given_by_a_launcher(k)}
+
+
+def find(executable: Optional[str] = None) -> Launcher:
+    """The launcher of the environment we run in.
+
+    ``executable`` (a path or a name on PATH), else ``$MPIEXEC``, else the ``mpiexec`` beside
+    ``sys.executable`` (a virtual environment's MPI wheel), else the one on PATH.
+
+    Raises:
+        FileNotFoundError: there is none, or ``executable``/``$MPIEXEC`` names none.
+    """
+    wanted = executable or os.environ.get("MPIEXEC") or None
+    if wanted:
+        path = shutil.which(wanted)
+        if path is None:
+            source = "executable" if executable else "$MPIEXEC"
+            raise FileNotFoundError(f"launchers.find: {source} {wanted!r} is not an "
+                                    f"executable file or a command on PATH")
+    else:
+        here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        path = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
+        if path is None:
+            raise FileNotFoundError(
+                "launchers.find: no mpiexec beside this Python or on PATH, and MPIEXEC is "
+                "not set; install an MPI (pip install 'cupycomm[mpich]', or your system's) "
+                "or set MPIEXEC=/path/to/mpiexec (or srun)")
+    return _identify(os.path.abspath(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _identify(path: str) -> Launcher:
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True,
+                              errors="replace", timeout=60, stdin=subprocess.DEVNULL,
+                              env=nested_environment(os.environ))
+        said = (done.stdout + done.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        said = f"({path} --version failed: {e})"
+    kind = next((k for k, row in KINDS.items()
+                 if re.search(row.signature, said, re.MULTILINE)), "other")
+    first = next((line.strip() for line in said.splitlines() if line.strip()), "")
+    return Launcher(kind, path, first)
+
+
+def library_kind(version: str) -> str:
+    """The MPI library that ``MPI.Get_library_version()`` describes: ``"mpich"``,
+    ``"openmpi"``, ``"intelmpi"`` or ``"other"`` (hydra starts MPICH's ranks, ``openmpi``
+    Open MPI's, ``intelmpi`` Intel's; srun any built with its PMI).
+
+    Example::
+
+        library_kind("Open MPI v5.0.11, package: ...")   # 'openmpi'
+    """
+    for kind, pattern in (("intelmpi", r"Intel\(R\) MPI"), ("openmpi", r"Open MPI"),
+                          ("mpich", r"MPICH|MVAPICH")):
+        if re.search(pattern, version):
+            return kind
+    return "other"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cupycomm.launchers",
+        description="Print the argv (shell-quoted) that starts an N-rank job with the launcher "
+                    "of this environment; without -n, say which launcher that is.")
+    parser.add_argument("-n", type=int, help="the number of ranks")
+    parser.add_argument("--leave-cleanup-to-cupycomm", action="store_true",
+                        help="add the launcher's option that lets cupycomm end a failed job")
+    parser.add_argument("--mpiexec", help="the launcher (default: $MPIEXEC, the mpiexec "
+                                          "beside this Python, the one on PATH)")
+    args = parser.parse_args(argv)
+    try:
+        launcher = find(args.mpiexec)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.n is None:
+        print(f"{launcher.kind} {launcher.executable}: {launcher.version}")
+        return 0
+    if args.n < 1:
+        parser.error(f"-n must be >= 1, got {args.n}")
+    argv_ = launcher.command(args.n, leave_cleanup_to_cupycomm=args.leave_cleanup_to_cupycomm)
+    print(" ".join(shlex.quote(a) for a in argv_))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
