@@ -47,6 +47,10 @@ class _Kind:
 # Measured by diffing `env` in a rank against its parent (the MPICH 4, Open MPI 5.0.11 and
 # Intel MPI 2021 wheels) and, for Slurm, from srun(1)'s OUTPUT ENVIRONMENT VARIABLES. Order
 # matters for recognition: Intel's mpiexec is a hydra too, so it is tried first.
+#: The row of each kind of launcher, by name. A row holds the regular expression that its
+#: ``--version`` output matches, the options that leave ending a failed job to cupycomm, those
+#: that allow more ranks than cores, and the variables it gives its ranks (``X_*`` a prefix),
+#: which a nested job drops.
 KINDS: Dict[str, _Kind] = {
     "intelmpi": _Kind(
         signature=r"Intel\(R\) MPI",
