@@ -2,7 +2,8 @@
 # Build the documentation site into docs/_build/html, warnings as errors (a broken
 # cross-reference, a docstring that does not render, a public name missing from the
 # reference fail the build). Installs the docs extra into the active virtual environment,
-# else into .venv (made if missing).
+# else into .venv (made if missing), with MPICH's wheel only where there is no MPI (no
+# mpiexec, no $MPIEXEC): autodoc imports mpi4py, which needs a library.
 #
 #   bash docs/build.sh                 # then open docs/_build/html/index.html
 #   bash docs/build.sh -E              # extra arguments go to sphinx-build (-E: every page anew)
@@ -14,7 +15,11 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
     # shellcheck disable=SC1091
     . .venv/bin/activate
 fi
-python -m pip install -q -e ".[docs]"
+extras=docs
+if [ -z "${MPIEXEC:-}" ] && ! command -v mpiexec >/dev/null; then
+    extras=$extras,mpich
+fi
+python -m pip install -q -e ".[$extras]"
 start=$SECONDS
 python -m sphinx -W --keep-going -n -q -b html "$@" docs docs/_build/html
 echo "docs: built docs/_build/html in $((SECONDS - start)) s"

@@ -3,8 +3,15 @@
 # mpiexec -n 2, 3 and 4 (odd sizes find bugs). The single-process pass also runs the
 # examples and the fault scripts, each under its own mpiexec.
 #
-#   bash tests/run.sh            # from a fresh clone; creates .venv unless one is active
+#   bash tests/run.sh                # from a fresh clone; creates .venv unless one is active
 #   bash tests/run.sh -x -k gather   # extra arguments go to every pytest run
+#   MPIEXEC=/opt/mpi/bin/mpiexec bash tests/run.sh      # that launcher (srun as well)
+#   RANKS="1 3" TESTS="tests/test_faults.py" bash tests/run.sh   # some sizes, some files
+#
+# The MPI is the environment's: $MPIEXEC, else the active environment's mpiexec or the one on
+# PATH (cupycomm.launchers finds it and adds the options it needs, e.g. Open MPI's
+# --oversubscribe past the cores). Only where there is none does this install MPICH's wheel
+# (the mpich extra); an MPI that is there is never replaced.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,24 +24,31 @@ python -m pip install -q --upgrade pip
 # The CUDA extra only where no CuPy is installed yet: a GPU machine set up with '.[cuda13]'
 # keeps its CuPy; elsewhere cuda12 (it imports without a GPU, and CUDA 13 drivers run it).
 extras=test
-python -c 'import cupy' 2>/dev/null || extras=test,cuda12
+python -c 'import cupy' 2>/dev/null || extras=$extras,cuda12
+if [ -z "${MPIEXEC:-}" ] && ! command -v mpiexec >/dev/null; then
+    extras=$extras,mpich
+fi
 python -m pip install -q -e ".[$extras]"
+python -m cupycomm.launchers   # which launcher the passes use, and its version
 
 status=0
 run() {
     echo "+ $*"
     "$@" || status=$?
 }
-# MPICH's mpiexec (hydra) kills every rank itself when one exits without MPI_Finalize, and may
-# then exit 0 (an os._exit(0)); without that cleanup, cupycomm's watchdog and the plugin's hang
-# guard end the job, non-zero, naming the rank (see cupycomm.testing.no_auto_cleanup).
-launcher=()
-if mpiexec --version 2>/dev/null | grep -q HYDRA; then
-    launcher=(-disable-auto-cleanup)
-fi
+read -r -a tests <<< "${TESTS:-tests}"
 # A hard bound on each pass on top of the plugin's per-test timeout: nothing can hang CI.
-run timeout 900 python -m pytest tests "$@"
-for n in 2 3 4; do
-    run timeout 900 mpiexec ${launcher[@]+"${launcher[@]}"} -n "$n" python -m pytest tests "$@"
+for n in ${RANKS:-1 2 3 4}; do
+    if [ "$n" = 1 ]; then
+        run timeout 900 python -m pytest "${tests[@]}" "$@"
+        continue
+    fi
+    # The launcher's options that leave ending a failed job to cupycomm: hydra kills every
+    # rank itself when one exits without MPI_Finalize and may then exit 0 (an os._exit(0));
+    # without that, cupycomm's watchdog and the plugin's hang guard end the job, non-zero,
+    # naming the rank (see cupycomm.testing.no_auto_cleanup).
+    # No colour: Open MPI gives its ranks a terminal, and CI reads the closing line as text.
+    eval "launcher=($(python -m cupycomm.launchers -n "$n" --leave-cleanup-to-cupycomm))"
+    run timeout 900 "${launcher[@]}" python -m pytest --color=no "${tests[@]}" "$@"
 done
 exit "$status"

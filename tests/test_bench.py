@@ -5,6 +5,9 @@ import csv
 import functools
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +20,7 @@ from mpi4py import MPI
 
 import nccl_standin
 from arrays import GPU, GPU_SKIP_REASON
+from cupycomm import launchers
 from cupycomm.bench import main
 from cupycomm.bench.cli import UsageError, parse_args, parse_size, size_series
 from cupycomm.bench.collectives import (ROWS, TABLE, Case, count_wrong, distinct_sizes,
@@ -557,9 +561,8 @@ def _outside_mpiexec(**extra):
     """This environment less what mpiexec gave this rank (a launcher started from here must
     not take itself for a rank), less the active virtual environment and its PATH entry."""
     ours = str(Path(sys.prefix) / "bin")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCAL", "OMPI_"))
-           and k != "VIRTUAL_ENV"}
+    env = {k: v for k, v in launchers.nested_environment(os.environ).items()
+           if k != "VIRTUAL_ENV"}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if p and Path(p) != Path(ours))
     env.update(extra)
@@ -571,14 +574,14 @@ def test_run_matrix_dry_run_plans_2_3_and_4_ranks():
                           capture_output=True, text=True, env=_outside_mpiexec(), timeout=60)
     assert done.returncode == 0, done.stderr
     for n in (2, 3, 4):
-        # no venv active, none on PATH: the commands name .venv's launcher and interpreter
-        assert f"+ .venv/bin/mpiexec -n {n} .venv/bin/python -m cupycomm.bench " in done.stdout
+        # no venv active, none on PATH: the commands name .venv's launcher (with the options
+        # cupycomm.launchers gives it) and interpreter
+        assert re.search(rf"^\+ \S*\.venv/bin/mpiexec -n {n}( \S+)* \.venv/bin/python "
+                         rf"-m cupycomm\.bench ", done.stdout, re.MULTILINE), done.stdout
     assert "--compare" in done.stdout and "--csv benchmarks/results/" in done.stdout
     assert "pip install" in done.stdout
 
 
-@pytest.mark.skipif(not (Path(sys.prefix) / "bin" / "mpiexec").exists(),
-                    reason="the test's environment has no mpiexec of its own (the mpich extra)")
 def test_run_matrix_runs_with_nothing_on_path_and_leaves_no_file_when_a_run_fails(out_dir):
     """As the README gives it: no venv on PATH (bare mpiexec and python would not be found),
     the environment named by VIRTUAL_ENV only. One world size fails (a bad option): it
@@ -594,7 +597,8 @@ def test_run_matrix_runs_with_nothing_on_path_and_leaves_no_file_when_a_run_fail
     assert sorted(p.name for p in out_dir.iterdir()) == [
         "box_today_host_n1.csv", "box_today_host_n1.png", "box_today_host_n1.txt"]
     table = (out_dir / "box_today_host_n1.txt").read_text()
-    command = f"{sys.prefix}/bin/mpiexec -n 1 {sys.prefix}/bin/python -m cupycomm.bench -b 8"
+    launcher = shlex.join(launchers.find().command(1))
+    command = f"{launcher} {sys.prefix}/bin/python -m cupycomm.bench -b 8"
     assert table.startswith(f"# cupycomm.bench: {command}") and "# #wrong in all: 0" in table
     assert next(csv.DictReader((out_dir / "box_today_host_n1.csv").open()))[
         "command"].startswith(command)
@@ -604,16 +608,25 @@ def test_run_matrix_runs_with_nothing_on_path_and_leaves_no_file_when_a_run_fail
                             env=env, timeout=120)
     assert failed.returncode == 1 and "1 ranks failed" in failed.stderr
     assert list(out_dir.iterdir()) == []
-    # Interrupted midway: the run stops with it, and no partial table is left.
+    # Interrupted midway (as soon as the run has started: the signal may reach the script
+    # between its fork and anything after it): the run stops with it, within the script's
+    # 10 s grace, and no partial table is left.
     running = subprocess.Popen(["bash", script, "all_reduce", "-n", "100000", "--no-progress"],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               start_new_session=True)
     partial = out_dir / "box_today_host_n1.txt.tmp"
     for _ in range(600):
         if partial.exists() or running.poll() is not None:
             break
         time.sleep(0.05)
     running.terminate()
-    assert running.wait(timeout=60) != 0
+    try:
+        _, stderr = running.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(running.pid, signal.SIGKILL)   # everything it started, so as not to hang
+        _, stderr = running.communicate()
+        pytest.fail(f"run_matrix went on after SIGTERM:\n{stderr}")
+    assert running.returncode == 130, stderr
     assert list(out_dir.iterdir()) == []
     assert not [cmdline for cmdline in Path("/proc").glob("[0-9]*/cmdline")
                 if _reads(cmdline) and str(out_dir) in _reads(cmdline)]

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from cupycomm import launchers
-from cupycomm.launchers import Launcher, find, library_kind, nested_environment
-from cupycomm.testing import run_mpiexec
+from cupycomm.launchers import Launcher, find, library_kind
+from cupycomm.testing import launch_environment, run_mpiexec
 
 VERSIONS = {   # what each launcher prints to --version (first lines, as measured)
     "hydra": "HYDRA build details:\n    Version:                                 4.3.2\n",
@@ -175,19 +175,21 @@ def test_library_kind_names_each_mpi():
 def test_the_command_line_prints_the_argv_shell_quoted(tmp_path, kind):
     exe = fake(tmp_path, "mpi exec", VERSIONS[kind])
     run = [sys.executable, "-m", "cupycomm.launchers", "--mpiexec", exe]
-    # importing cupycomm initialises MPI: from inside a rank, only without the rank's PMI_*
-    env = nested_environment(os.environ)
-    said = subprocess.run(run + ["-n", "64", "--leave-cleanup-to-cupycomm"], env=env,
-                          capture_output=True, text=True, check=True).stdout
+    # a fresh interpreter imports cupycomm, and so starts MPI: as a job of its own, not as a
+    # rank of the job this test may run in
+    said = subprocess.run(run + ["-n", "64", "--leave-cleanup-to-cupycomm"],
+                          env=launch_environment(), capture_output=True, text=True,
+                          check=True).stdout
     expected = {"hydra": f"'{exe}' -disable-auto-cleanup -n 64\n",
                 "openmpi": f"'{exe}' -n 64 --oversubscribe\n"}[kind]
     assert said == expected
-    said = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
+    said = subprocess.run(run, env=launch_environment(), capture_output=True, text=True,
+                          check=True).stdout
     assert said == f"{kind} {exe}: {VERSIONS[kind].splitlines()[0].strip()}\n"
 
 
 def test_the_command_line_without_a_launcher_fails_with_the_advice(tmp_path):
-    env = dict(nested_environment(os.environ), PATH=str(tmp_path), MPIEXEC=str(tmp_path / "none"))
+    env = launch_environment({"PATH": str(tmp_path), "MPIEXEC": str(tmp_path / "none")})
     done = subprocess.run([sys.executable, "-m", "cupycomm.launchers", "-n", "2"], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 2 and "is not an executable file" in done.stderr
