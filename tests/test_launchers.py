@@ -150,11 +150,15 @@ def test_the_real_launcher_gives_nothing_that_a_nested_job_keeps(tmp_path):
     environment(), is its parent's (the wrapper of Open MPI's wheel sets its library path)."""
     launcher = find()
     parent = launcher.environment(dict(os.environ, OMPI_MCA_cupycomm_user_setting="kept"))
-    job = run_mpiexec(2, "-c", "import os, json; print(json.dumps(dict(os.environ)))",
-                      timeout=60, env={"OMPI_MCA_cupycomm_user_setting": "kept"})
+    # a file per rank: two ranks' long lines on one pipe may interleave
+    write = (f"import os, json; json.dump(dict(os.environ), "
+             f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w'))")
+    job = run_mpiexec(2, "-c", write, timeout=60,
+                      env={"OMPI_MCA_cupycomm_user_setting": "kept"})
     assert job.returncode == 0, job.output
-    for line in job.stdout.splitlines():
-        rank = json.loads(line)
+    ranks = [json.loads(path.read_text()) for path in tmp_path.iterdir()]
+    assert len(ranks) == 2
+    for rank in ranks:
         assert set(rank) - set(parent), "the launcher gives its ranks variables of its own"
         left = launcher.environment(rank)
         added = set(left) - set(parent) - {"_", "GFORTRAN_UNBUFFERED_PRECONNECTED",
