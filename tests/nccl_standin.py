@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.abc
+import importlib.util
 import itertools
+import sys
 import threading
 import types
 import weakref
@@ -633,13 +636,52 @@ class NcclCommunicator:
         self._submit(stream, "recv", issue, issue)
 
 
-# The module layout CuPy has: cupy.cuda, cupy.cuda.nccl, cupy.cuda.runtime.
-nccl = types.SimpleNamespace(
-    NcclCommunicator=NcclCommunicator, NcclError=NcclError, get_unique_id=get_unique_id,
-    get_version=get_version, groupStart=groupStart, groupEnd=groupEnd)
-runtime = types.SimpleNamespace(getDeviceCount=lambda: DEVICE_COUNT)
-cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event, nccl=nccl,
-                             runtime=runtime, get_current_stream=get_current_stream)
+# The module layout CuPy has: cupy.cuda and cupy.cuda.runtime are there once the package is
+# imported; cupy.cuda.nccl only once imported itself (CuPy's cuda/__init__.py does not import
+# it, and its __getattr__ raises AttributeError for it).
+def _submodule(name: str, **names: Any) -> types.ModuleType:
+    module = types.ModuleType(f"{__name__}.{name}")
+    module.__dict__.update(names)
+    return module
+
+
+__path__: list = []   # a package, as cupy is: its submodules are imported by name
+nccl = _submodule("cuda.nccl", available=True,
+                  NcclCommunicator=NcclCommunicator, NcclError=NcclError,
+                  get_unique_id=get_unique_id, get_version=get_version, groupStart=groupStart,
+                  groupEnd=groupEnd)
+runtime = _submodule("cuda.runtime", getDeviceCount=lambda: DEVICE_COUNT)
+cuda = _submodule("cuda", Device=Device, Stream=Stream, Event=Event, runtime=runtime,
+                  get_current_stream=get_current_stream, __path__=[])
+
+
+class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``<stand-in>.cuda`` and ``<stand-in>.cuda.nccl``; Python's import system sets
+    ``cuda.nccl`` only then, as for CuPy."""
+
+    modules = {cuda.__name__: cuda, nccl.__name__: nccl, runtime.__name__: runtime}
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname in self.modules:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        return self.modules[spec.name]
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+sys.meta_path.insert(0, _SubmoduleFinder())
+sys.modules[cuda.__name__] = cuda
+sys.modules[runtime.__name__] = runtime
+
+
+def forget_nccl_import() -> None:
+    """Undo ``import <stand-in>.cuda.nccl``, as in a fresh interpreter (for tests)."""
+    sys.modules.pop(nccl.__name__, None)
+    cuda.__dict__.pop("nccl", None)
 
 
 @contextlib.contextmanager

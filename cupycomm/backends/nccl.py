@@ -27,14 +27,33 @@ from .._parts import offsets
 from ..errors import CollectiveTimeout, NcclError, PeerLost
 from ..work import DeviceWork
 
-__all__ = ["NcclBackend", "library_version"]
+__all__ = ["NcclBackend", "library_version", "nccl_module"]
+
+
+def nccl_module(cupy: Any) -> Any:
+    """``cupy.cuda.nccl``, imported: ``import cupy`` does not create it (CuPy's ``cuda``
+    package has no ``nccl`` attribute until the submodule is imported).
+
+    Raises RuntimeError when CuPy's NCCL module is there but libnccl could not load
+    (``cupy.cuda.nccl.available`` is False)::
+
+        nccl = nccl_module(cupy)
+        unique_id = nccl.get_unique_id()
+    """
+    module = importlib.import_module(f"{cupy.__name__}.cuda.nccl")
+    if not getattr(module, "available", True):
+        raise RuntimeError(
+            f"{cupy.__name__}.cuda.nccl.available is False: libnccl could not load, so "
+            f"device collectives cannot run; install NCCL for this CUDA (e.g. pip install "
+            f"nvidia-nccl-cu12) or put libnccl.so.2 on LD_LIBRARY_PATH")
+    return module
 
 
 def library_version(cupy: Any) -> str:
     """NCCL's version, e.g. ``"2.23.4"``, as ``cupy``'s NCCL module reports it; ``""`` where
     CuPy has no NCCL module or libnccl cannot load."""
     try:
-        code = importlib.import_module(f"{cupy.__name__}.cuda.nccl").get_version()
+        code = nccl_module(cupy).get_version()
     except Exception:   # no NCCL module in this CuPy, or its library fails to load
         return ""
     return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
@@ -67,9 +86,10 @@ class NcclBackend:
     def __init__(self, mpi_comm: Any, device_id: int, cupy: Any, tracker: Any,
                  nccl_comm: Any = None) -> None:
         cuda = cupy.cuda
+        nccl = nccl_module(cupy)
         self._cupy = cupy
-        self._nccl_module = cuda.nccl
-        self._raw_error = cuda.nccl.NcclError
+        self._nccl_module = nccl
+        self._raw_error = nccl.NcclError
         self.array_type = cupy.ndarray
         self.device_id = device_id
         self._device = cuda.Device(device_id)
@@ -84,8 +104,8 @@ class NcclBackend:
         self._peer_lost = False
         with self._device:
             if nccl_comm is None:
-                unique_id = broadcast_unique_id(mpi_comm, cuda.nccl.get_unique_id)
-                nccl_comm = self._nccl(lambda: cuda.nccl.NcclCommunicator(
+                unique_id = broadcast_unique_id(mpi_comm, nccl.get_unique_id)
+                nccl_comm = self._nccl(lambda: nccl.NcclCommunicator(
                     self._size, unique_id, self._rank), "init")
             self._comm = nccl_comm
             self._stream = cuda.Stream(non_blocking=True)
