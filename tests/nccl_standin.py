@@ -76,8 +76,10 @@ class Device:
         Device._local.id = self._previous
 
     def synchronize(self) -> None:
+        """cudaDeviceSynchronize: every stream's work (a potentially unsafe call)."""
+        _runtime_call("cudaDeviceSynchronize", unsafe=True)
         for stream in list(Stream._registry.values()):
-            stream.synchronize()
+            stream.run_until(stream.enqueued)
 
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, Device) and other.id == self.id
@@ -113,9 +115,7 @@ class ndarray(np.ndarray):
 
 
 def _track(array: np.ndarray) -> None:
-    if _Capture.active:
-        raise NcclError("stand-in: device memory allocated while a CUDA graph is being "
-                        "captured (the replayed graph would not allocate it)")
+    _runtime_call("cudaMalloc", unsafe=True)
     address = array.__array_interface__["data"][0]
     if array.nbytes:
         _allocations[address] = array.nbytes
@@ -166,7 +166,9 @@ def concatenate(arrays: Any, axis: Optional[int] = 0, out: Optional[ndarray] = N
 
 def asnumpy(a: Any) -> np.ndarray:
     """A host copy; like CuPy's, it first waits for the current stream's work."""
-    get_current_stream().synchronize()
+    stream = get_current_stream()
+    _runtime_call("cudaMemcpy", unsafe=True, capturing=stream.capture)
+    stream.run_until(stream.enqueued)
     return np.array(np.asarray(a).view(np.ndarray) if isinstance(a, np.ndarray) else a)
 
 
@@ -190,6 +192,10 @@ def _view(ptr: int, count: int, datatype: int, what: str) -> np.ndarray:
 
 
 # -- streams and events ---------------------------------------------------------------------------
+class CUDARuntimeError(RuntimeError):
+    """cupy_backends' CUDARuntimeError: a CUDA runtime call failed."""
+
+
 class Stream:
     """cupy.cuda.Stream: an in-order queue of work; ``deferred=True`` holds work back.
 
@@ -249,10 +255,17 @@ class Stream:
             self.outstanding = []
 
     def synchronize(self) -> None:
+        """cudaStreamSynchronize: invalid on a capturing stream, unsafe during captures."""
+        _runtime_call("cudaStreamSynchronize", unsafe=True, capturing=self.capture)
         self.run_until(self.enqueued)
 
     @property
     def done(self) -> bool:
+        """cudaStreamQuery == cudaSuccess (False, with no exception, when CUDA refuses)."""
+        try:
+            _runtime_call("cudaStreamQuery", unsafe=True, capturing=self.capture)
+        except CUDARuntimeError:
+            return False
         return self.reached(self.enqueued)
 
     def reached(self, position: int) -> bool:
@@ -268,29 +281,44 @@ class Stream:
             self.lock.release()
 
     def wait_event(self, event: "Event") -> None:
+        """cudaStreamWaitEvent (the event may be of another device)."""
+        _runtime_call("cudaStreamWaitEvent")
         if event._capture is not None:   # recorded during a capture: fork into it or join it
             if not event._capture.ended:
                 event._capture.wait(self, event)
             return
+        if self.capture is not None and event._stream is not None:
+            self.capture.invalidate(f"{self!r} waited on {event.name}, recorded outside")
+            raise CUDARuntimeError(
+                f"stand-in: cudaErrorStreamCaptureIsolation: a capturing stream waited on "
+                f"{event.name}, recorded outside the capture (CUDA only allows that with "
+                f"cudaEventWaitExternal)")
         source, position = event._stream, event._position
         self.enqueue(lambda: source.run_until(position) if source else None,
                      f"wait {event.name}")
 
     # CUDA graphs: a captured stream's work becomes a graph, replayed by Graph.launch
-    def begin_capture(self, mode: Any = None) -> None:
+    def begin_capture(self, mode: Optional[int] = None) -> None:
+        """CuPy's default mode is relaxed; torch's graphs capture in global mode."""
         if self.ptr == 0:
-            raise NcclError("stand-in: the legacy default stream cannot be captured")
+            raise CUDARuntimeError("stand-in: the legacy default stream cannot be captured")
         if self.capture is not None:
-            raise NcclError("stand-in: the stream is already capturing")
-        self.capture = _Capture(self)
+            raise CUDARuntimeError("stand-in: the stream is already capturing")
+        self.capture = _Capture(self, streamCaptureModeRelaxed if mode is None else mode)
 
     def is_capturing(self) -> bool:
+        """cudaStreamIsCapturing; CuPy raises RuntimeError for an invalidated capture."""
+        _runtime_call("cudaStreamIsCapturing")
+        if self.capture is not None and self.capture.invalidated:
+            raise RuntimeError("the stream was capturing, but an error has invalidated the "
+                               f"capture sequence ({self.capture.invalidated})")
         return self.capture is not None
 
     def end_capture(self) -> "Graph":
         capture = self.capture
         if capture is None or capture.origin is not self:
-            raise NcclError("stand-in: end_capture on a stream that did not begin a capture")
+            raise CUDARuntimeError("stand-in: end_capture on a stream that did not begin a "
+                                   "capture")
         capture.end()
         return Graph(capture.ops)
 
@@ -330,8 +358,13 @@ class Stream:
 Stream.null = Stream(null=True)
 
 
-def get_current_stream() -> Stream:
-    stack = Stream._stack()
+def get_current_stream(device_id: int = -1) -> Stream:
+    """CuPy's: the current stream of ``device_id`` (default: the current device) in this
+    thread."""
+    if device_id == -1:
+        device_id = Device.current_id()
+    Device(device_id)
+    stack = Stream._local.__dict__.setdefault("stacks", {}).get(device_id)
     return stack[-1] if stack else Stream.null
 
 
@@ -351,6 +384,7 @@ class Event:
 
     def record(self, stream: Optional[Stream] = None) -> None:
         stream = stream or get_current_stream()
+        _runtime_call("cudaEventRecord")
         _check_event_device(self, stream)
         stream.log.append(f"record {self.name}")
         if stream.capture is not None:   # a node of the graph, not a point in real work
@@ -361,25 +395,51 @@ class Event:
 
     @property
     def done(self) -> bool:
+        """CuPy's ``eventQuery(ptr) == 0``: False, with no exception, when CUDA refuses (an
+        event last recorded in a capture answers cudaErrorCapturedEvent, for ever)."""
+        try:
+            self._check_query("cudaEventQuery")
+        except CUDARuntimeError:
+            return False
         return self._stream is None or self._stream.reached(self._position)
 
     def synchronize(self) -> None:
+        """cudaEventSynchronize: raises where CUDA refuses."""
+        self._check_query("cudaEventSynchronize")
         if self._stream is not None:
             self._stream.run_until(self._position)
 
+    def _check_query(self, call: str) -> None:
+        _runtime_call(call, unsafe=True)
+        if self._capture is not None:
+            if not self._capture.ended:
+                self._capture.invalidate(f"{call} of {self.name}, recorded in the capture")
+            raise CUDARuntimeError(f"stand-in: cudaErrorCapturedEvent: {call} of {self.name}, "
+                                   f"last recorded in a capturing stream")
+
 
 class _Capture:
-    """One capture in progress: the work of every stream in it, in order, and the streams
-    forked into it that have not been joined back into the origin yet."""
+    """One capture in progress: the work of every stream in it, in order, the streams forked
+    into it that have not been joined back into the origin yet, its mode and thread, and why
+    it was invalidated ('' while it is valid)."""
 
-    active = 0   # captures in progress (no device allocation is allowed meanwhile)
+    live: List["_Capture"] = []   # captures in progress, in any thread
 
-    def __init__(self, origin: Stream) -> None:
+    def __init__(self, origin: Stream, mode: int) -> None:
+        if mode not in (streamCaptureModeGlobal, streamCaptureModeThreadLocal,
+                        streamCaptureModeRelaxed):
+            raise CUDARuntimeError(f"stand-in: invalid capture mode {mode!r}")
         self.origin = origin
+        self.mode = mode
+        self.thread = threading.get_ident()
         self.ops: List[tuple] = []
         self.forked: List[Stream] = []
         self.ended = False
-        _Capture.active += 1
+        self.invalidated = ""
+        _Capture.live.append(self)
+
+    def invalidate(self, why: str) -> None:
+        self.invalidated = self.invalidated or why
 
     def add(self, stream: Stream, op: Callable, name: str) -> None:
         self.ops.append((op, name))
@@ -393,14 +453,60 @@ class _Capture:
             self.forked.remove(event._captured_on)
 
     def end(self) -> None:
-        _Capture.active -= 1
+        _Capture.live.remove(self)
         self.ended = True
         self.origin.capture = None
+        for stream in self.forked:
+            stream.capture = None
+        if self.invalidated:
+            raise CUDARuntimeError(f"stand-in: cudaErrorStreamCaptureInvalidated: "
+                                   f"{self.invalidated}")
         if self.forked:
-            for stream in self.forked:
-                stream.capture = None
-            raise NcclError(f"stand-in: capture ended with {len(self.forked)} forked streams "
-                            f"not joined back (cudaErrorStreamCaptureUnjoined)")
+            raise CUDARuntimeError(f"stand-in: capture ended with {len(self.forked)} forked "
+                                   f"streams not joined back (cudaErrorStreamCaptureUnjoined)")
+
+
+streamCaptureModeGlobal, streamCaptureModeThreadLocal, streamCaptureModeRelaxed = 0, 1, 2
+_thread_modes = threading.local()   # this thread's capture interaction mode (global when new)
+contexts: set = set()               # (thread, device) of every runtime call: a CUDA context
+
+
+def threadExchangeStreamCaptureMode(mode: int) -> int:
+    """cudaThreadExchangeStreamCaptureMode (CuPy has no wrapper; cupycomm calls the driver's
+    cuThreadExchangeStreamCaptureMode, which the stand-in names like this): sets this
+    thread's mode, returns the previous one."""
+    previous = getattr(_thread_modes, "mode", streamCaptureModeGlobal)
+    _thread_modes.mode = mode
+    return previous
+
+
+def _runtime_call(call: str, unsafe: bool = False, capturing: Optional[_Capture] = None) -> None:
+    """A CUDA runtime call from this thread: it has a context on the current device; a
+    potentially unsafe one (query, synchronize, cudaMalloc) is refused, and invalidates the
+    capture that forbids it, when a capture forbids it; so is any query of a capturing stream
+    (``capturing``)."""
+    contexts.add((threading.get_ident(), Device.current_id()))
+    if capturing is not None:
+        capturing.invalidate(f"{call} of a capturing stream")
+        raise CUDARuntimeError(f"stand-in: cudaErrorStreamCaptureUnsupported: {call} of a "
+                               f"capturing stream")
+    if not unsafe or not _Capture.live:
+        return
+    me = threading.get_ident()
+    mode = getattr(_thread_modes, "mode", streamCaptureModeGlobal)
+    if mode == streamCaptureModeRelaxed:
+        return
+    for capture in list(_Capture.live):
+        own = capture.thread == me
+        if ((own and capture.mode != streamCaptureModeRelaxed)
+                or (not own and mode == streamCaptureModeGlobal
+                    and capture.mode == streamCaptureModeGlobal)):
+            whose = "this thread's" if own else "another thread's"
+            capture.invalidate(f"{call} from a thread in mode {mode} during {whose} capture "
+                               f"in mode {capture.mode}")
+            raise CUDARuntimeError(f"stand-in: cudaErrorStreamCaptureUnsupported: {call} is "
+                                   f"not allowed during {whose} capture in mode "
+                                   f"{capture.mode} (this thread's mode: {mode})")
 
 
 class Graph:
@@ -725,10 +831,6 @@ def _check_event_device(event: Event, stream: Stream) -> None:
                            f"stream of device {device} (cudaEventRecord fails)")
 
 
-class CUDARuntimeError(RuntimeError):
-    """cupy_backends' CUDARuntimeError, raised for a bad copy."""
-
-
 _pinned: dict = {}          # base address -> size in bytes, of every live pinned host buffer
 peer_access: set = set()    # (device, peer) pairs that _deviceEnsurePeerAccess enabled
 init_all_calls = 0          # how many times NcclCommunicator.initAll ran
@@ -788,7 +890,8 @@ def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
     queue = Stream.from_ptr(stream)
     name = f"memcpy {src_memory}->{dst_memory} {height}x{width}"
     if "pageable" in (src_memory, dst_memory):
-        queue.synchronize()
+        _runtime_call("cudaMemcpyAsync (pageable host memory)", unsafe=True)
+        queue.run_until(queue.enqueued)
         run()
         queue.log.append(f"{name} (at once)")
     else:
@@ -949,5 +1052,7 @@ cuda.alloc_pinned_memory = alloc_pinned_memory
 cuda.PinnedMemoryPointer = PinnedMemoryPointer
 for _name in ("memcpyAsync", "memcpy2DAsync", "memcpyHostToHost", "memcpyHostToDevice",
               "memcpyDeviceToHost", "memcpyDeviceToDevice", "memcpyDefault", "deviceCanAccessPeer",
-              "_deviceEnsurePeerAccess", "CUDARuntimeError"):
+              "_deviceEnsurePeerAccess", "CUDARuntimeError", "streamCaptureModeGlobal",
+              "streamCaptureModeThreadLocal", "streamCaptureModeRelaxed",
+              "threadExchangeStreamCaptureMode"):
     setattr(runtime, _name, globals()[_name])
