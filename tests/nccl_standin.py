@@ -78,7 +78,7 @@ class Device:
     def synchronize(self) -> None:
         """cudaDeviceSynchronize: every stream's work (a potentially unsafe call)."""
         _runtime_call("cudaDeviceSynchronize", unsafe=True)
-        for stream in list(Stream._registry.values()):
+        for stream in list(Stream._registry.values()) + list(_NullStream._queues.values()):
             stream.run_until(stream.enqueued)
 
     def __eq__(self, other: Any) -> bool:
@@ -223,7 +223,8 @@ class Stream:
         # cupycomm's watchdog thread asks whether events are done while the main thread runs
         # work: MPI forbids two threads touching one request at once.
         self.lock = threading.RLock()
-        Stream._registry[self.ptr] = self
+        if not null:   # handle 0 means the current device's own null stream: see _NullStream
+            Stream._registry[self.ptr] = self
 
     # work
     def enqueue(self, op: Callable[[], Optional[list]], name: str) -> None:
@@ -349,13 +350,53 @@ class Stream:
 
     @staticmethod
     def from_ptr(ptr: int) -> "Stream":
-        return Stream._registry[ptr]
+        return Stream.null.queue() if ptr == 0 else Stream._registry[ptr]
 
     def __repr__(self) -> str:
         return f"<stand-in Stream {self.ptr:#x}{' deferred' if self.deferred else ''}>"
 
 
-Stream.null = Stream(null=True)
+class _NullStream:
+    """Stream.null, CuPy's singleton for handle 0: CUDA's legacy default stream, which is the
+    *current device's* own (each device has one). Every use resolves to the null stream of
+    the device current at that moment."""
+
+    ptr = 0
+    device_id = -1
+    _queues: dict = {}   # device -> its null stream
+    _creating = threading.Lock()
+
+    def queue(self) -> Stream:
+        device = Device.current_id()
+        if device not in self._queues:
+            with self._creating:
+                self._queues.setdefault(device, Stream(null=True))
+        return self._queues[device]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.queue(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.queue(), name, value)
+
+    __enter__, __exit__, use = Stream.__enter__, Stream.__exit__, Stream.use
+
+    def __eq__(self, other: Any) -> bool:
+        return getattr(other, "ptr", None) == 0
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "<stand-in Stream.null>"
+
+
+def _resolved(stream: Any) -> Stream:
+    """The stream a handle means now: handle 0 is the current device's null stream."""
+    return stream.queue() if isinstance(stream, _NullStream) else stream
+
+
+Stream.null = _NullStream()  # type: ignore[assignment]
 
 
 def get_current_stream(device_id: int = -1) -> Stream:
@@ -383,7 +424,7 @@ class Event:
         self.device_id = Device.current_id()
 
     def record(self, stream: Optional[Stream] = None) -> None:
-        stream = stream or get_current_stream()
+        stream = _resolved(stream or get_current_stream())
         _runtime_call("cudaEventRecord")
         _check_event_device(self, stream)
         stream.log.append(f"record {self.name}")
@@ -611,6 +652,8 @@ class NcclCommunicator:
         self._rank, self._size = rank, ndev
         self._device = Device.current_id()
         self._alive = True
+        self._readers = 0   # threads inside check_async_error now
+        self._readers_lock = threading.Lock()
         self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
 
     @staticmethod
@@ -643,19 +686,38 @@ class NcclCommunicator:
 
     def _check(self) -> None:
         if not self._alive:
-            raise NcclError("stand-in: communicator destroyed or aborted", status=5)
+            raise NcclError("stand-in: ncclInvalidArgument: communicator destroyed or aborted "
+                            "(its memory is freed)", status=4)
 
     def check_async_error(self) -> None:
-        if self.async_error:
-            raise NcclError(f"stand-in asynchronous error: {self.async_error}", status=6)
+        with self._readers_lock:
+            self._check()
+            self._readers += 1
+        try:
+            if self.async_error:
+                raise NcclError(f"stand-in asynchronous error: {self.async_error}", status=6)
+        finally:
+            with self._readers_lock:
+                self._readers -= 1
+
+    def _free(self, call: str) -> None:
+        """ncclCommDestroy/ncclCommAbort: refused on a freed communicator, and while another
+        thread is inside ncclCommGetAsyncError (which takes no lock: it would read freed
+        memory)."""
+        with self._readers_lock:
+            self._check()
+            if self._readers:
+                raise NcclError(f"stand-in: {call} while another thread is inside "
+                                f"ncclCommGetAsyncError on this communicator (NCCL reads "
+                                f"the memory {call} frees)", status=5)
+            self._alive = False
 
     def destroy(self) -> None:
-        if self._alive:
-            self._alive = False
-            self._comm.Free()
+        self._free("ncclCommDestroy")
+        self._comm.Free()
 
     def abort(self) -> None:
-        self._alive = False   # MPI cannot cancel; the stand-in only forbids further use
+        self._free("ncclCommAbort")   # MPI cannot cancel; the stand-in forbids further use
 
     def commSplit(self, color: int, key: int, config: Any = None) -> Optional["NcclCommunicator"]:
         self._check()
@@ -665,6 +727,7 @@ class NcclCommunicator:
         split = object.__new__(NcclCommunicator)
         split._comm, split._rank, split._size = sub, sub.Get_rank(), sub.Get_size()
         split._device, split._alive, split.async_error = self._device, True, None
+        split._readers, split._readers_lock = 0, threading.Lock()
         return split
 
     # -- the work: every call validates now and runs when its stream gets there

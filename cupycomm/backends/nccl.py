@@ -193,6 +193,12 @@ class NcclBackend:
         self._tracker.seq += 1
         if self._group is not None:
             return self._launch_grouped(call, args, result, keep, label, stream, unpack)
+        with self._device:   # handle 0 (the null stream) means the current device's
+            return self._launch_ordered(call, args, result, keep, label, async_op, stream,
+                                        unpack)
+
+    def _launch_ordered(self, call, args: tuple, result, keep: tuple, label: str,
+                        async_op: bool, stream: Any, unpack) -> Any:
         if stream is None:
             caller = self._current_stream(self.device_id)
             captured = caller.is_capturing()
@@ -243,6 +249,10 @@ class NcclBackend:
         self._group = None
         if group.kind != "device" or cancel:
             return
+        with self._device:
+            self._launch_group(group)
+
+    def _launch_group(self, group: Any) -> None:
         stream = self._stream
         captured = group.caller.is_capturing()
         self._ready.record(group.caller)
@@ -261,8 +271,7 @@ class NcclBackend:
             for _, _, unpack in group.calls:
                 for dst, src in unpack:
                     dst[...] = src
-        with self._device:
-            event = self._new_event(disable_timing=True)
+        event = self._new_event(disable_timing=True)
         event.record(stream)
         group.caller.wait_event(event)
         for work in group.works:
@@ -278,8 +287,7 @@ class NcclBackend:
         inflight = self._inflight
         while not captured and inflight and inflight[0].is_completed():
             inflight.popleft()
-        with self._device:
-            event = self._new_event(disable_timing=True)
+        event = self._new_event(disable_timing=True)
         event.record(stream)
         work = DeviceWork(event, result, keep, self, label, captured)
         if not captured:
@@ -414,7 +422,8 @@ class NcclBackend:
                 f"{label}: wait() inside a CUDA graph capture of a collective launched before "
                 f"it began: the capture cannot wait on outside work; call wait() before "
                 f"begin_capture(), on rank {self._rank}")
-        caller.wait_event(event)
+        with self._device:
+            caller.wait_event(event)
 
     def check_errors(self) -> None:
         """Raise :class:`NcclError` if NCCL reported an asynchronous error or the communicator
