@@ -27,6 +27,9 @@ import ctypes
 import importlib.abc
 import importlib.util
 import itertools
+import operator
+import os
+import socket
 import sys
 import threading
 import types
@@ -574,6 +577,57 @@ class NcclError(RuntimeError):
         self.status = status
 
 
+# CuPy's compiled signatures (cupy_backends/cuda/libs/nccl.pyx, cupy_backends/cuda/api/
+# runtime.pyx): Cython converts each argument before anything runs: TypeError for what has no
+# __index__ (a float, None), OverflowError outside the C type.
+SIGNATURES = {
+    "allReduce": "intptr_t sendbuf, intptr_t recvbuf, size_t count, int datatype, int op, "
+                 "intptr_t stream",
+    "reduce": "intptr_t sendbuf, intptr_t recvbuf, size_t count, int datatype, int op, "
+              "int root, intptr_t stream",
+    "broadcast": "intptr_t sendbuff, intptr_t recvbuff, size_t count, int datatype, int root, "
+                 "intptr_t stream",
+    "bcast": "intptr_t buff, size_t count, int datatype, int root, intptr_t stream",
+    "reduceScatter": "intptr_t sendbuf, intptr_t recvbuf, size_t recvcount, int datatype, "
+                     "int op, intptr_t stream",
+    "allGather": "intptr_t sendbuf, intptr_t recvbuf, size_t count, int datatype, "
+                 "intptr_t stream",
+    "send": "intptr_t sendbuf, size_t count, int datatype, int peer, intptr_t stream",
+    "recv": "intptr_t recvbuf, size_t count, int datatype, int peer, intptr_t stream",
+    "commSplit": "int color, int key",
+    "NcclCommunicator": "int ndev, bytes commId, int rank",
+    "memcpyAsync": "intptr_t dst, intptr_t src, size_t size, int kind, intptr_t stream",
+    "memcpy2DAsync": "intptr_t dst, size_t dpitch, intptr_t src, size_t spitch, "
+                     "size_t width, size_t height, int kind, intptr_t stream",
+    "deviceCanAccessPeer": "int device, int peerDevice",
+    "_deviceEnsurePeerAccess": "int peerDevice",
+}
+_C_RANGES = {"intptr_t": (-2 ** 63, 2 ** 63 - 1), "size_t": (0, 2 ** 64 - 1),
+             "int": (-2 ** 31, 2 ** 31 - 1)}
+
+
+def _converted(function: str, *values: Any) -> None:
+    """Check ``values`` as Cython converts the arguments of CuPy's ``function``."""
+    parameters = [part.split() for part in SIGNATURES[function].split(", ")]
+    if len(values) != len(parameters):
+        raise TypeError(f"{function}() takes exactly {len(parameters)} positional arguments "
+                        f"({len(values)} given)")
+    for (ctype, name), value in zip(parameters, values):
+        if ctype == "bytes":
+            if type(value) is not bytes:
+                raise TypeError(f"Argument '{name}' has incorrect type (expected bytes, got "
+                                f"{type(value).__name__})")
+            continue
+        try:
+            number = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{function}: '{type(value).__name__}' object cannot be "
+                            f"interpreted as an integer ({name}, a C {ctype})") from None
+        low, high = _C_RANGES[ctype]
+        if not low <= number <= high:
+            raise OverflowError(f"{function}: {name}={number} does not fit a C {ctype}")
+
+
 _NCCL_DTYPES = {0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32),
                 3: np.dtype(np.uint32), 4: np.dtype(np.int64), 5: np.dtype(np.uint64),
                 6: np.dtype(np.float16), 7: np.dtype(np.float32), 8: np.dtype(np.float64)}
@@ -639,39 +693,73 @@ def groupEnd() -> None:
                                            f"nccl group of {len(calls)}")
 
 
+SHARED_GPUS = False   # True: the ranks of one host see the same GPUs (a real node)
+
+
+def _gpu(device: int) -> tuple:
+    """Which physical GPU ``device`` of this process stands for, and whether this rank allows
+    sharing it: NCCL compares a host hash (of NCCL_HOSTID when set, else of the host) and the
+    bus id. Unless SHARED_GPUS, each process stands for a node of its own."""
+    host = os.environ.get("NCCL_HOSTID") or socket.gethostname()
+    if not SHARED_GPUS:
+        host = f"{host}/pid {os.getpid()}"
+    return host, device, os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+
+
+def _duplicate_gpu(gpus: list) -> str:
+    seen: dict = {}
+    for rank, (host, device, shared) in enumerate(gpus):
+        other = seen.setdefault((host, device), rank)
+        if other != rank and not (shared and gpus[other][2]):
+            return (f"Duplicate GPU detected : rank {other} and rank {rank} both on CUDA "
+                    f"device {device} (set distinct NCCL_HOSTIDs, or "
+                    f"NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    return ""
+
+
 class NcclCommunicator:
     """cupy.cuda.nccl.NcclCommunicator over MPI on host memory (see the module docstring)."""
 
     def __init__(self, ndev: int, commId: bytes, rank: int) -> None:
-        raw = np.frombuffer(bytes(commId), np.int32)
-        if len(commId) != 128 or raw[0] != 0x5A17D1:
+        _converted("NcclCommunicator", ndev, commId, rank)
+        if len(commId) != 128:
+            raise ValueError(f"commId length {len(commId)} != 128.")
+        raw = np.frombuffer(commId, np.int32)
+        if raw[0] != 0x5A17D1:
             raise NcclError("stand-in: not a stand-in unique id", status=4)
         if not 0 <= rank < ndev:
             raise NcclError(f"stand-in: rank {rank} not in 0..{ndev - 1}", status=4)
-        self._comm = self._meet(ndev, int(raw[1]), int(raw[2]), rank)
+        self._device = Device.current_id()   # NCCL: the device current at ncclCommInitRank
+        self._comm = self._meet(ndev, int(raw[1]), int(raw[2]), rank, _gpu(self._device))
         self._rank, self._size = rank, ndev
-        self._device = Device.current_id()
         self._alive = True
         self._readers = 0   # threads inside check_async_error now
         self._readers_lock = threading.Lock()
         self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
 
     @staticmethod
-    def _meet(ndev: int, host: int, counter: int, rank: int) -> MPI.Comm:
+    def _meet(ndev: int, host: int, counter: int, rank: int, gpu: tuple) -> MPI.Comm:
+        """Meet the other members at the rank that made the id (NCCL's bootstrap); refuse,
+        on every member, two ranks on one GPU (NCCL's init.cc: "Duplicate GPU detected")
+        unless NCCL_MULTI_RANK_GPU_ENABLE=1."""
         tag = 100 + counter % 30000
         me = _WORLD.Get_rank()
         if me == host:
-            members = {rank: me}
+            members = {rank: (me, gpu)}
             for _ in range(ndev - 1):
-                their_rank, their_world = _WORLD.recv(source=MPI.ANY_SOURCE, tag=tag)
-                members[their_rank] = their_world
-            order = [members[r] for r in range(ndev)]
+                their_rank, their_world, their_gpu = _WORLD.recv(source=MPI.ANY_SOURCE, tag=tag)
+                members[their_rank] = (their_world, their_gpu)
+            order = [members[r][0] for r in range(ndev)]
+            answer = (order, _duplicate_gpu([members[r][1] for r in range(ndev)]))
             for world_rank in order:
                 if world_rank != me:
-                    _WORLD.send(order, dest=world_rank, tag=tag)
+                    _WORLD.send(answer, dest=world_rank, tag=tag)
         else:
-            _WORLD.send((rank, me), dest=host, tag=tag)
-            order = _WORLD.recv(source=host, tag=tag)
+            _WORLD.send((rank, me, gpu), dest=host, tag=tag)
+            answer = _WORLD.recv(source=host, tag=tag)
+        order, duplicate = answer
+        if duplicate:
+            raise NcclError(f"stand-in: ncclInvalidUsage: {duplicate}", status=5)
         return _WORLD.Create_group(_WORLD.Get_group().Incl(order), tag)
 
     # -- queries and lifetime
@@ -705,7 +793,8 @@ class NcclCommunicator:
         thread is inside ncclCommGetAsyncError (which takes no lock: it would read freed
         memory)."""
         with self._readers_lock:
-            self._check()
+            if not self._alive:   # CuPy: a no-op once its handle is NULL
+                return
             if self._readers:
                 raise NcclError(f"stand-in: {call} while another thread is inside "
                                 f"ncclCommGetAsyncError on this communicator (NCCL reads "
@@ -713,13 +802,15 @@ class NcclCommunicator:
             self._alive = False
 
     def destroy(self) -> None:
-        self._free("ncclCommDestroy")
-        self._comm.Free()
+        if self._alive:
+            self._free("ncclCommDestroy")
+            self._comm.Free()
 
     def abort(self) -> None:
         self._free("ncclCommAbort")   # MPI cannot cancel; the stand-in forbids further use
 
     def commSplit(self, color: int, key: int, config: Any = None) -> Optional["NcclCommunicator"]:
+        _converted("commSplit", color, key)
         self._check()
         sub = self._comm.Split(MPI.UNDEFINED if color == -1 else color, key)
         if sub == MPI.COMM_NULL:
@@ -753,12 +844,14 @@ class NcclCommunicator:
         return result
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        _converted("allReduce", sendbuf, recvbuf, count, datatype, op, stream)
         send = _view(sendbuf, count, datatype, "allReduce sendbuff")
         recv = _view(recvbuf, count, datatype, "allReduce recvbuff")
         self._submit(stream, "allReduce", lambda: recv.__setitem__(
             Ellipsis, self._reduced(send, op)))
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        _converted("reduce", sendbuf, recvbuf, count, datatype, op, root, stream)
         send = _view(sendbuf, count, datatype, "reduce sendbuff")
         recv = _view(recvbuf, count, datatype, "reduce recvbuff") if self._rank == root else None
 
@@ -769,10 +862,12 @@ class NcclCommunicator:
         self._submit(stream, "reduce", run)
 
     def bcast(self, buff, count, datatype, root, stream):
+        _converted("bcast", buff, count, datatype, root, stream)
         buf = _view(buff, count, datatype, "bcast buff")
         self._submit(stream, "bcast", lambda: self._comm.Bcast(buf, root))
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        _converted("broadcast", sendbuff, recvbuff, count, datatype, root, stream)
         send = _view(sendbuff, count, datatype, "broadcast sendbuff")
         recv = _view(recvbuff, count, datatype, "broadcast recvbuff")
 
@@ -783,11 +878,13 @@ class NcclCommunicator:
         self._submit(stream, "broadcast", run)
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        _converted("allGather", sendbuf, recvbuf, count, datatype, stream)
         send = _view(sendbuf, count, datatype, "allGather sendbuff")
         recv = _view(recvbuf, count * self._size, datatype, "allGather recvbuff")
         self._submit(stream, "allGather", lambda: self._comm.Allgather(send, recv))
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+        _converted("reduceScatter", sendbuf, recvbuf, recvcount, datatype, op, stream)
         send = _view(sendbuf, recvcount * self._size, datatype, "reduceScatter sendbuff")
         recv = _view(recvbuf, recvcount, datatype, "reduceScatter recvbuff")
         mine = slice(self._rank * recvcount, (self._rank + 1) * recvcount)
@@ -795,11 +892,13 @@ class NcclCommunicator:
             Ellipsis, self._reduced(send, op)[mine]))
 
     def send(self, sendbuf, count, datatype, peer, stream):
+        _converted("send", sendbuf, count, datatype, peer, stream)
         buf = _view(sendbuf, count, datatype, "send sendbuff")
         issue = lambda: [self._comm.Isend(buf, peer)]
         self._submit(stream, "send", issue, issue)
 
     def recv(self, recvbuf, count, datatype, peer, stream):
+        _converted("recv", recvbuf, count, datatype, peer, stream)
         buf = _view(recvbuf, count, datatype, "recv recvbuff")
         issue = lambda: [self._comm.Irecv(buf, peer)]
         self._submit(stream, "recv", issue, issue)
@@ -935,6 +1034,7 @@ _KINDS = {memcpyHostToHost: ("host", "host"), memcpyHostToDevice: ("host", "devi
 
 
 def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
+    _converted("memcpy2DAsync", dst, dpitch, src, spitch, width, height, kind, stream)
     if width > dpitch or width > spitch:
         raise CUDARuntimeError(f"stand-in: width {width} exceeds a pitch ({dpitch}, {spitch})")
     if width == 0 or height == 0:
@@ -962,15 +1062,18 @@ def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
 
 
 def memcpyAsync(dst, src, size, kind, stream):
+    _converted("memcpyAsync", dst, src, size, kind, stream)
     memcpy2DAsync(dst, size, src, size, size, 1, kind, stream)
 
 
 def deviceCanAccessPeer(device: int, peerDevice: int) -> int:
+    _converted("deviceCanAccessPeer", device, peerDevice)
     Device(device), Device(peerDevice)
     return int(device != peerDevice)
 
 
 def _deviceEnsurePeerAccess(peerDevice: int) -> None:
+    _converted("_deviceEnsurePeerAccess", peerDevice)
     Device(peerDevice)
     if peerDevice == Device.current_id():
         raise CUDARuntimeError("stand-in: a device cannot be its own peer")
@@ -1086,12 +1189,14 @@ class LocalNcclCommunicator:
             _open_cliques.append(self._clique)
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        _converted("broadcast", sendbuff, recvbuff, count, datatype, root, stream)
         root_here = self._rank == root
         send = _view(sendbuff, count, datatype, "broadcast sendbuff") if root_here else None
         recv = _view(recvbuff, count, datatype, "broadcast recvbuff")
         self._call("broadcast", (count, datatype, root), stream, send, recv)
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        _converted("reduce", sendbuf, recvbuf, count, datatype, op, root, stream)
         send = _view(sendbuf, count, datatype, "reduce sendbuff")
         recv = _view(recvbuf, count, datatype, "reduce recvbuff") if self._rank == root else None
         self._call("reduce", (count, datatype, op, root), stream, send, recv)
