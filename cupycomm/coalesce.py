@@ -21,6 +21,7 @@ timeouts included).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -105,6 +106,18 @@ def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
         raise comm._fail(ValueError, name, f"bucket_bytes must be a positive int, got "
                                            f"{bucket_bytes!r}")
     runs, natives, xp = _runs(comm, name, arrays, op, limit)
+    with _device_of(comm, xp):
+        return _all_reduce_runs(comm, name, arrays, runs, natives, xp, op, async_op)
+
+
+def _device_of(comm: Any, xp: Any) -> Any:
+    """The communicator's device as a context for device arrays (buffers and copies belong
+    there, whatever device is current), else nothing."""
+    return comm.device if xp is not None and xp is comm._cupy else contextlib.nullcontext()
+
+
+def _all_reduce_runs(comm: Any, name: str, arrays: Sequence[Any], runs: list, natives: list,
+                     xp: Any, op: Any, async_op: bool) -> Union[List[Any], Work]:
     staging = comm._staging
     plans: List[Tuple[Plan, List[Any]]] = []
     works = []
@@ -118,11 +131,12 @@ def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
         plans.append((plan, members))
         works.append(comm.all_reduce(plan.flat, op=op, async_op=async_op))
 
-    def unpack() -> None:
-        for plan, members in plans:
-            for member, view in zip(members, plan.views):
-                member[...] = view
-            staging.give(plan)
+    def unpack() -> None:   # (after wait(), whatever device is current then)
+        with _device_of(comm, xp):
+            for plan, members in plans:
+                for member, view in zip(members, plan.views):
+                    member[...] = view
+                staging.give(plan)
     result = list(arrays)
     if async_op:
         return WorkGroup(works, result, f"{name} of {len(arrays)} arrays", finish=unpack)
@@ -184,13 +198,14 @@ class Bucket:
         self._comm = comm
         self.flats: List[Any] = []
         views: List[Any] = [None] * len(arrays)
-        for indices in runs:
-            members = [natives[i] for i in indices]
-            plan = Plan((), xp, members)
-            xp.concatenate(members, axis=None, out=plan.flat)
-            for i, view in zip(indices, plan.views):
-                views[i] = view
-            self.flats.append(plan.flat)
+        with _device_of(comm, xp):
+            for indices in runs:
+                members = [natives[i] for i in indices]
+                plan = Plan((), xp, members)
+                xp.concatenate(members, axis=None, out=plan.flat)
+                for i, view in zip(indices, plan.views):
+                    views[i] = view
+                self.flats.append(plan.flat)
         #: The arrays as views of the bucket's buffers; use these in place of the originals.
         self.arrays: List[Any] = views
 

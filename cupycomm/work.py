@@ -137,25 +137,39 @@ class HostWork(Work):
 
 
 class DeviceWork(Work):
-    """Work of the NCCL backend: a CUDA event recorded after the collective on its stream."""
+    """Work of the NCCL backend: a CUDA event recorded after the collective on its stream.
 
-    __slots__ = ("_event",)
+    ``captured``: the collective was captured in a CUDA graph; its event is a graph node,
+    which CUDA forbids querying: such a Work completes when ``wait()`` (in the capture) joins
+    it, and cannot be synchronized.
+    """
 
-    def __init__(self, event: Any, result: Any, keep: Sequence, owner: Any, label: str) -> None:
+    __slots__ = ("_event", "_captured")
+
+    def __init__(self, event: Any, result: Any, keep: Sequence, owner: Any, label: str,
+                 captured: bool = False) -> None:
         super().__init__(result, keep, owner, label)
         self._event = event
+        self._captured = captured
 
     def _test(self) -> bool:
         # No event yet: a call inside a batch() block that has not ended.
-        return self._event is not None and self._event.done
+        return self._event is not None and not self._captured and self._event.done
 
     def _wait(self) -> None:
         if self._event is None:
             raise _inside_batch(self._label)
         # Order the caller's stream after the collective; the host does not block.
-        self._owner.stream_wait(self._event)
-        if self._event.done:
+        self._owner.stream_wait(self._event, self._captured, self._label)
+        if self._captured or self._event.done:
             self._complete()
+
+    def _wait_for(self, timeout: Optional[float]) -> None:
+        if self._captured:
+            raise RuntimeError(f"{self._label}: a collective captured in a CUDA graph runs "
+                               f"when the graph is launched: wait() for it in the capture, "
+                               f"synchronize the stream that launches the graph")
+        super()._wait_for(timeout)
 
 
 class WorkGroup(Work):

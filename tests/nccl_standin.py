@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.abc
+import importlib.util
 import itertools
+import operator
+import os
+import socket
+import sys
 import threading
 import types
 import weakref
@@ -73,8 +79,10 @@ class Device:
         Device._local.id = self._previous
 
     def synchronize(self) -> None:
-        for stream in list(Stream._registry.values()):
-            stream.synchronize()
+        """cudaDeviceSynchronize: every stream's work (a potentially unsafe call)."""
+        _runtime_call("cudaDeviceSynchronize", unsafe=True)
+        for stream in list(Stream._registry.values()) + list(_NullStream._queues.values()):
+            stream.run_until(stream.enqueued)
 
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, Device) and other.id == self.id
@@ -110,9 +118,7 @@ class ndarray(np.ndarray):
 
 
 def _track(array: np.ndarray) -> None:
-    if _Capture.active:
-        raise NcclError("stand-in: device memory allocated while a CUDA graph is being "
-                        "captured (the replayed graph would not allocate it)")
+    _runtime_call("cudaMalloc", unsafe=True)
     address = array.__array_interface__["data"][0]
     if array.nbytes:
         _allocations[address] = array.nbytes
@@ -163,7 +169,9 @@ def concatenate(arrays: Any, axis: Optional[int] = 0, out: Optional[ndarray] = N
 
 def asnumpy(a: Any) -> np.ndarray:
     """A host copy; like CuPy's, it first waits for the current stream's work."""
-    get_current_stream().synchronize()
+    stream = get_current_stream()
+    _runtime_call("cudaMemcpy", unsafe=True, capturing=stream.capture)
+    stream.run_until(stream.enqueued)
     return np.array(np.asarray(a).view(np.ndarray) if isinstance(a, np.ndarray) else a)
 
 
@@ -187,6 +195,10 @@ def _view(ptr: int, count: int, datatype: int, what: str) -> np.ndarray:
 
 
 # -- streams and events ---------------------------------------------------------------------------
+class CUDARuntimeError(RuntimeError):
+    """cupy_backends' CUDARuntimeError: a CUDA runtime call failed."""
+
+
 class Stream:
     """cupy.cuda.Stream: an in-order queue of work; ``deferred=True`` holds work back.
 
@@ -214,7 +226,8 @@ class Stream:
         # cupycomm's watchdog thread asks whether events are done while the main thread runs
         # work: MPI forbids two threads touching one request at once.
         self.lock = threading.RLock()
-        Stream._registry[self.ptr] = self
+        if not null:   # handle 0 means the current device's own null stream: see _NullStream
+            Stream._registry[self.ptr] = self
 
     # work
     def enqueue(self, op: Callable[[], Optional[list]], name: str) -> None:
@@ -246,10 +259,17 @@ class Stream:
             self.outstanding = []
 
     def synchronize(self) -> None:
+        """cudaStreamSynchronize: invalid on a capturing stream, unsafe during captures."""
+        _runtime_call("cudaStreamSynchronize", unsafe=True, capturing=self.capture)
         self.run_until(self.enqueued)
 
     @property
     def done(self) -> bool:
+        """cudaStreamQuery == cudaSuccess (False, with no exception, when CUDA refuses)."""
+        try:
+            _runtime_call("cudaStreamQuery", unsafe=True, capturing=self.capture)
+        except CUDARuntimeError:
+            return False
         return self.reached(self.enqueued)
 
     def reached(self, position: int) -> bool:
@@ -265,29 +285,44 @@ class Stream:
             self.lock.release()
 
     def wait_event(self, event: "Event") -> None:
+        """cudaStreamWaitEvent (the event may be of another device)."""
+        _runtime_call("cudaStreamWaitEvent")
         if event._capture is not None:   # recorded during a capture: fork into it or join it
             if not event._capture.ended:
                 event._capture.wait(self, event)
             return
+        if self.capture is not None and event._stream is not None:
+            self.capture.invalidate(f"{self!r} waited on {event.name}, recorded outside")
+            raise CUDARuntimeError(
+                f"stand-in: cudaErrorStreamCaptureIsolation: a capturing stream waited on "
+                f"{event.name}, recorded outside the capture (CUDA only allows that with "
+                f"cudaEventWaitExternal)")
         source, position = event._stream, event._position
         self.enqueue(lambda: source.run_until(position) if source else None,
                      f"wait {event.name}")
 
     # CUDA graphs: a captured stream's work becomes a graph, replayed by Graph.launch
-    def begin_capture(self, mode: Any = None) -> None:
+    def begin_capture(self, mode: Optional[int] = None) -> None:
+        """CuPy's default mode is relaxed; torch's graphs capture in global mode."""
         if self.ptr == 0:
-            raise NcclError("stand-in: the legacy default stream cannot be captured")
+            raise CUDARuntimeError("stand-in: the legacy default stream cannot be captured")
         if self.capture is not None:
-            raise NcclError("stand-in: the stream is already capturing")
-        self.capture = _Capture(self)
+            raise CUDARuntimeError("stand-in: the stream is already capturing")
+        self.capture = _Capture(self, streamCaptureModeRelaxed if mode is None else mode)
 
     def is_capturing(self) -> bool:
+        """cudaStreamIsCapturing; CuPy raises RuntimeError for an invalidated capture."""
+        _runtime_call("cudaStreamIsCapturing")
+        if self.capture is not None and self.capture.invalidated:
+            raise RuntimeError("the stream was capturing, but an error has invalidated the "
+                               f"capture sequence ({self.capture.invalidated})")
         return self.capture is not None
 
     def end_capture(self) -> "Graph":
         capture = self.capture
         if capture is None or capture.origin is not self:
-            raise NcclError("stand-in: end_capture on a stream that did not begin a capture")
+            raise CUDARuntimeError("stand-in: end_capture on a stream that did not begin a "
+                                   "capture")
         capture.end()
         return Graph(capture.ops)
 
@@ -318,17 +353,62 @@ class Stream:
 
     @staticmethod
     def from_ptr(ptr: int) -> "Stream":
-        return Stream._registry[ptr]
+        return Stream.null.queue() if ptr == 0 else Stream._registry[ptr]
 
     def __repr__(self) -> str:
         return f"<stand-in Stream {self.ptr:#x}{' deferred' if self.deferred else ''}>"
 
 
-Stream.null = Stream(null=True)
+class _NullStream:
+    """Stream.null, CuPy's singleton for handle 0: CUDA's legacy default stream, which is the
+    *current device's* own (each device has one). Every use resolves to the null stream of
+    the device current at that moment."""
+
+    ptr = 0
+    device_id = -1
+    _queues: dict = {}   # device -> its null stream
+    _creating = threading.Lock()
+
+    def queue(self) -> Stream:
+        device = Device.current_id()
+        if device not in self._queues:
+            with self._creating:
+                self._queues.setdefault(device, Stream(null=True))
+        return self._queues[device]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.queue(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.queue(), name, value)
+
+    __enter__, __exit__, use = Stream.__enter__, Stream.__exit__, Stream.use
+
+    def __eq__(self, other: Any) -> bool:
+        return getattr(other, "ptr", None) == 0
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "<stand-in Stream.null>"
 
 
-def get_current_stream() -> Stream:
-    stack = Stream._stack()
+def _resolved(stream: Any) -> Stream:
+    """The stream a handle means now: handle 0 is the current device's null stream."""
+    return stream.queue() if isinstance(stream, _NullStream) else stream
+
+
+Stream.null = _NullStream()  # type: ignore[assignment]
+
+
+def get_current_stream(device_id: int = -1) -> Stream:
+    """CuPy's: the current stream of ``device_id`` (default: the current device) in this
+    thread."""
+    if device_id == -1:
+        device_id = Device.current_id()
+    Device(device_id)
+    stack = Stream._local.__dict__.setdefault("stacks", {}).get(device_id)
     return stack[-1] if stack else Stream.null
 
 
@@ -347,7 +427,8 @@ class Event:
         self.device_id = Device.current_id()
 
     def record(self, stream: Optional[Stream] = None) -> None:
-        stream = stream or get_current_stream()
+        stream = _resolved(stream or get_current_stream())
+        _runtime_call("cudaEventRecord")
         _check_event_device(self, stream)
         stream.log.append(f"record {self.name}")
         if stream.capture is not None:   # a node of the graph, not a point in real work
@@ -358,25 +439,51 @@ class Event:
 
     @property
     def done(self) -> bool:
+        """CuPy's ``eventQuery(ptr) == 0``: False, with no exception, when CUDA refuses (an
+        event last recorded in a capture answers cudaErrorCapturedEvent, for ever)."""
+        try:
+            self._check_query("cudaEventQuery")
+        except CUDARuntimeError:
+            return False
         return self._stream is None or self._stream.reached(self._position)
 
     def synchronize(self) -> None:
+        """cudaEventSynchronize: raises where CUDA refuses."""
+        self._check_query("cudaEventSynchronize")
         if self._stream is not None:
             self._stream.run_until(self._position)
 
+    def _check_query(self, call: str) -> None:
+        _runtime_call(call, unsafe=True)
+        if self._capture is not None:
+            if not self._capture.ended:
+                self._capture.invalidate(f"{call} of {self.name}, recorded in the capture")
+            raise CUDARuntimeError(f"stand-in: cudaErrorCapturedEvent: {call} of {self.name}, "
+                                   f"last recorded in a capturing stream")
+
 
 class _Capture:
-    """One capture in progress: the work of every stream in it, in order, and the streams
-    forked into it that have not been joined back into the origin yet."""
+    """One capture in progress: the work of every stream in it, in order, the streams forked
+    into it that have not been joined back into the origin yet, its mode and thread, and why
+    it was invalidated ('' while it is valid)."""
 
-    active = 0   # captures in progress (no device allocation is allowed meanwhile)
+    live: List["_Capture"] = []   # captures in progress, in any thread
 
-    def __init__(self, origin: Stream) -> None:
+    def __init__(self, origin: Stream, mode: int) -> None:
+        if mode not in (streamCaptureModeGlobal, streamCaptureModeThreadLocal,
+                        streamCaptureModeRelaxed):
+            raise CUDARuntimeError(f"stand-in: invalid capture mode {mode!r}")
         self.origin = origin
+        self.mode = mode
+        self.thread = threading.get_ident()
         self.ops: List[tuple] = []
         self.forked: List[Stream] = []
         self.ended = False
-        _Capture.active += 1
+        self.invalidated = ""
+        _Capture.live.append(self)
+
+    def invalidate(self, why: str) -> None:
+        self.invalidated = self.invalidated or why
 
     def add(self, stream: Stream, op: Callable, name: str) -> None:
         self.ops.append((op, name))
@@ -390,14 +497,60 @@ class _Capture:
             self.forked.remove(event._captured_on)
 
     def end(self) -> None:
-        _Capture.active -= 1
+        _Capture.live.remove(self)
         self.ended = True
         self.origin.capture = None
+        for stream in self.forked:
+            stream.capture = None
+        if self.invalidated:
+            raise CUDARuntimeError(f"stand-in: cudaErrorStreamCaptureInvalidated: "
+                                   f"{self.invalidated}")
         if self.forked:
-            for stream in self.forked:
-                stream.capture = None
-            raise NcclError(f"stand-in: capture ended with {len(self.forked)} forked streams "
-                            f"not joined back (cudaErrorStreamCaptureUnjoined)")
+            raise CUDARuntimeError(f"stand-in: capture ended with {len(self.forked)} forked "
+                                   f"streams not joined back (cudaErrorStreamCaptureUnjoined)")
+
+
+streamCaptureModeGlobal, streamCaptureModeThreadLocal, streamCaptureModeRelaxed = 0, 1, 2
+_thread_modes = threading.local()   # this thread's capture interaction mode (global when new)
+contexts: set = set()               # (thread, device) of every runtime call: a CUDA context
+
+
+def threadExchangeStreamCaptureMode(mode: int) -> int:
+    """cudaThreadExchangeStreamCaptureMode (CuPy has no wrapper; cupycomm calls the driver's
+    cuThreadExchangeStreamCaptureMode, which the stand-in names like this): sets this
+    thread's mode, returns the previous one."""
+    previous = getattr(_thread_modes, "mode", streamCaptureModeGlobal)
+    _thread_modes.mode = mode
+    return previous
+
+
+def _runtime_call(call: str, unsafe: bool = False, capturing: Optional[_Capture] = None) -> None:
+    """A CUDA runtime call from this thread: it has a context on the current device; a
+    potentially unsafe one (query, synchronize, cudaMalloc) is refused, and invalidates the
+    capture that forbids it, when a capture forbids it; so is any query of a capturing stream
+    (``capturing``)."""
+    contexts.add((threading.get_ident(), Device.current_id()))
+    if capturing is not None:
+        capturing.invalidate(f"{call} of a capturing stream")
+        raise CUDARuntimeError(f"stand-in: cudaErrorStreamCaptureUnsupported: {call} of a "
+                               f"capturing stream")
+    if not unsafe or not _Capture.live:
+        return
+    me = threading.get_ident()
+    mode = getattr(_thread_modes, "mode", streamCaptureModeGlobal)
+    if mode == streamCaptureModeRelaxed:
+        return
+    for capture in list(_Capture.live):
+        own = capture.thread == me
+        if ((own and capture.mode != streamCaptureModeRelaxed)
+                or (not own and mode == streamCaptureModeGlobal
+                    and capture.mode == streamCaptureModeGlobal)):
+            whose = "this thread's" if own else "another thread's"
+            capture.invalidate(f"{call} from a thread in mode {mode} during {whose} capture "
+                               f"in mode {capture.mode}")
+            raise CUDARuntimeError(f"stand-in: cudaErrorStreamCaptureUnsupported: {call} is "
+                                   f"not allowed during {whose} capture in mode "
+                                   f"{capture.mode} (this thread's mode: {mode})")
 
 
 class Graph:
@@ -422,6 +575,57 @@ class NcclError(RuntimeError):
     def __init__(self, message: str, status: int = 5) -> None:
         super().__init__(message)
         self.status = status
+
+
+# CuPy's compiled signatures (cupy_backends/cuda/libs/nccl.pyx, cupy_backends/cuda/api/
+# runtime.pyx): Cython converts each argument before anything runs: TypeError for what has no
+# __index__ (a float, None), OverflowError outside the C type.
+SIGNATURES = {
+    "allReduce": "intptr_t sendbuf, intptr_t recvbuf, size_t count, int datatype, int op, "
+                 "intptr_t stream",
+    "reduce": "intptr_t sendbuf, intptr_t recvbuf, size_t count, int datatype, int op, "
+              "int root, intptr_t stream",
+    "broadcast": "intptr_t sendbuff, intptr_t recvbuff, size_t count, int datatype, int root, "
+                 "intptr_t stream",
+    "bcast": "intptr_t buff, size_t count, int datatype, int root, intptr_t stream",
+    "reduceScatter": "intptr_t sendbuf, intptr_t recvbuf, size_t recvcount, int datatype, "
+                     "int op, intptr_t stream",
+    "allGather": "intptr_t sendbuf, intptr_t recvbuf, size_t count, int datatype, "
+                 "intptr_t stream",
+    "send": "intptr_t sendbuf, size_t count, int datatype, int peer, intptr_t stream",
+    "recv": "intptr_t recvbuf, size_t count, int datatype, int peer, intptr_t stream",
+    "commSplit": "int color, int key",
+    "NcclCommunicator": "int ndev, bytes commId, int rank",
+    "memcpyAsync": "intptr_t dst, intptr_t src, size_t size, int kind, intptr_t stream",
+    "memcpy2DAsync": "intptr_t dst, size_t dpitch, intptr_t src, size_t spitch, "
+                     "size_t width, size_t height, int kind, intptr_t stream",
+    "deviceCanAccessPeer": "int device, int peerDevice",
+    "_deviceEnsurePeerAccess": "int peerDevice",
+}
+_C_RANGES = {"intptr_t": (-2 ** 63, 2 ** 63 - 1), "size_t": (0, 2 ** 64 - 1),
+             "int": (-2 ** 31, 2 ** 31 - 1)}
+
+
+def _converted(function: str, *values: Any) -> None:
+    """Check ``values`` as Cython converts the arguments of CuPy's ``function``."""
+    parameters = [part.split() for part in SIGNATURES[function].split(", ")]
+    if len(values) != len(parameters):
+        raise TypeError(f"{function}() takes exactly {len(parameters)} positional arguments "
+                        f"({len(values)} given)")
+    for (ctype, name), value in zip(parameters, values):
+        if ctype == "bytes":
+            if type(value) is not bytes:
+                raise TypeError(f"Argument '{name}' has incorrect type (expected bytes, got "
+                                f"{type(value).__name__})")
+            continue
+        try:
+            number = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{function}: '{type(value).__name__}' object cannot be "
+                            f"interpreted as an integer ({name}, a C {ctype})") from None
+        low, high = _C_RANGES[ctype]
+        if not low <= number <= high:
+            raise OverflowError(f"{function}: {name}={number} does not fit a C {ctype}")
 
 
 _NCCL_DTYPES = {0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32),
@@ -489,37 +693,73 @@ def groupEnd() -> None:
                                            f"nccl group of {len(calls)}")
 
 
+SHARED_GPUS = False   # True: the ranks of one host see the same GPUs (a real node)
+
+
+def _gpu(device: int) -> tuple:
+    """Which physical GPU ``device`` of this process stands for, and whether this rank allows
+    sharing it: NCCL compares a host hash (of NCCL_HOSTID when set, else of the host) and the
+    bus id. Unless SHARED_GPUS, each process stands for a node of its own."""
+    host = os.environ.get("NCCL_HOSTID") or socket.gethostname()
+    if not SHARED_GPUS:
+        host = f"{host}/pid {os.getpid()}"
+    return host, device, os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+
+
+def _duplicate_gpu(gpus: list) -> str:
+    seen: dict = {}
+    for rank, (host, device, shared) in enumerate(gpus):
+        other = seen.setdefault((host, device), rank)
+        if other != rank and not (shared and gpus[other][2]):
+            return (f"Duplicate GPU detected : rank {other} and rank {rank} both on CUDA "
+                    f"device {device} (set distinct NCCL_HOSTIDs, or "
+                    f"NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    return ""
+
+
 class NcclCommunicator:
     """cupy.cuda.nccl.NcclCommunicator over MPI on host memory (see the module docstring)."""
 
     def __init__(self, ndev: int, commId: bytes, rank: int) -> None:
-        raw = np.frombuffer(bytes(commId), np.int32)
-        if len(commId) != 128 or raw[0] != 0x5A17D1:
+        _converted("NcclCommunicator", ndev, commId, rank)
+        if len(commId) != 128:
+            raise ValueError(f"commId length {len(commId)} != 128.")
+        raw = np.frombuffer(commId, np.int32)
+        if raw[0] != 0x5A17D1:
             raise NcclError("stand-in: not a stand-in unique id", status=4)
         if not 0 <= rank < ndev:
             raise NcclError(f"stand-in: rank {rank} not in 0..{ndev - 1}", status=4)
-        self._comm = self._meet(ndev, int(raw[1]), int(raw[2]), rank)
+        self._device = Device.current_id()   # NCCL: the device current at ncclCommInitRank
+        self._comm = self._meet(ndev, int(raw[1]), int(raw[2]), rank, _gpu(self._device))
         self._rank, self._size = rank, ndev
-        self._device = Device.current_id()
         self._alive = True
+        self._readers = 0   # threads inside check_async_error now
+        self._readers_lock = threading.Lock()
         self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
 
     @staticmethod
-    def _meet(ndev: int, host: int, counter: int, rank: int) -> MPI.Comm:
+    def _meet(ndev: int, host: int, counter: int, rank: int, gpu: tuple) -> MPI.Comm:
+        """Meet the other members at the rank that made the id (NCCL's bootstrap); refuse,
+        on every member, two ranks on one GPU (NCCL's init.cc: "Duplicate GPU detected")
+        unless NCCL_MULTI_RANK_GPU_ENABLE=1."""
         tag = 100 + counter % 30000
         me = _WORLD.Get_rank()
         if me == host:
-            members = {rank: me}
+            members = {rank: (me, gpu)}
             for _ in range(ndev - 1):
-                their_rank, their_world = _WORLD.recv(source=MPI.ANY_SOURCE, tag=tag)
-                members[their_rank] = their_world
-            order = [members[r] for r in range(ndev)]
+                their_rank, their_world, their_gpu = _WORLD.recv(source=MPI.ANY_SOURCE, tag=tag)
+                members[their_rank] = (their_world, their_gpu)
+            order = [members[r][0] for r in range(ndev)]
+            answer = (order, _duplicate_gpu([members[r][1] for r in range(ndev)]))
             for world_rank in order:
                 if world_rank != me:
-                    _WORLD.send(order, dest=world_rank, tag=tag)
+                    _WORLD.send(answer, dest=world_rank, tag=tag)
         else:
-            _WORLD.send((rank, me), dest=host, tag=tag)
-            order = _WORLD.recv(source=host, tag=tag)
+            _WORLD.send((rank, me, gpu), dest=host, tag=tag)
+            answer = _WORLD.recv(source=host, tag=tag)
+        order, duplicate = answer
+        if duplicate:
+            raise NcclError(f"stand-in: ncclInvalidUsage: {duplicate}", status=5)
         return _WORLD.Create_group(_WORLD.Get_group().Incl(order), tag)
 
     # -- queries and lifetime
@@ -534,21 +774,43 @@ class NcclCommunicator:
 
     def _check(self) -> None:
         if not self._alive:
-            raise NcclError("stand-in: communicator destroyed or aborted", status=5)
+            raise NcclError("stand-in: ncclInvalidArgument: communicator destroyed or aborted "
+                            "(its memory is freed)", status=4)
 
     def check_async_error(self) -> None:
-        if self.async_error:
-            raise NcclError(f"stand-in asynchronous error: {self.async_error}", status=6)
+        with self._readers_lock:
+            self._check()
+            self._readers += 1
+        try:
+            if self.async_error:
+                raise NcclError(f"stand-in asynchronous error: {self.async_error}", status=6)
+        finally:
+            with self._readers_lock:
+                self._readers -= 1
+
+    def _free(self, call: str) -> None:
+        """ncclCommDestroy/ncclCommAbort: refused on a freed communicator, and while another
+        thread is inside ncclCommGetAsyncError (which takes no lock: it would read freed
+        memory)."""
+        with self._readers_lock:
+            if not self._alive:   # CuPy: a no-op once its handle is NULL
+                return
+            if self._readers:
+                raise NcclError(f"stand-in: {call} while another thread is inside "
+                                f"ncclCommGetAsyncError on this communicator (NCCL reads "
+                                f"the memory {call} frees)", status=5)
+            self._alive = False
 
     def destroy(self) -> None:
         if self._alive:
-            self._alive = False
+            self._free("ncclCommDestroy")
             self._comm.Free()
 
     def abort(self) -> None:
-        self._alive = False   # MPI cannot cancel; the stand-in only forbids further use
+        self._free("ncclCommAbort")   # MPI cannot cancel; the stand-in forbids further use
 
     def commSplit(self, color: int, key: int, config: Any = None) -> Optional["NcclCommunicator"]:
+        _converted("commSplit", color, key)
         self._check()
         sub = self._comm.Split(MPI.UNDEFINED if color == -1 else color, key)
         if sub == MPI.COMM_NULL:
@@ -556,6 +818,7 @@ class NcclCommunicator:
         split = object.__new__(NcclCommunicator)
         split._comm, split._rank, split._size = sub, sub.Get_rank(), sub.Get_size()
         split._device, split._alive, split.async_error = self._device, True, None
+        split._readers, split._readers_lock = 0, threading.Lock()
         return split
 
     # -- the work: every call validates now and runs when its stream gets there
@@ -581,12 +844,14 @@ class NcclCommunicator:
         return result
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        _converted("allReduce", sendbuf, recvbuf, count, datatype, op, stream)
         send = _view(sendbuf, count, datatype, "allReduce sendbuff")
         recv = _view(recvbuf, count, datatype, "allReduce recvbuff")
         self._submit(stream, "allReduce", lambda: recv.__setitem__(
             Ellipsis, self._reduced(send, op)))
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        _converted("reduce", sendbuf, recvbuf, count, datatype, op, root, stream)
         send = _view(sendbuf, count, datatype, "reduce sendbuff")
         recv = _view(recvbuf, count, datatype, "reduce recvbuff") if self._rank == root else None
 
@@ -597,10 +862,12 @@ class NcclCommunicator:
         self._submit(stream, "reduce", run)
 
     def bcast(self, buff, count, datatype, root, stream):
+        _converted("bcast", buff, count, datatype, root, stream)
         buf = _view(buff, count, datatype, "bcast buff")
         self._submit(stream, "bcast", lambda: self._comm.Bcast(buf, root))
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        _converted("broadcast", sendbuff, recvbuff, count, datatype, root, stream)
         send = _view(sendbuff, count, datatype, "broadcast sendbuff")
         recv = _view(recvbuff, count, datatype, "broadcast recvbuff")
 
@@ -611,11 +878,13 @@ class NcclCommunicator:
         self._submit(stream, "broadcast", run)
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        _converted("allGather", sendbuf, recvbuf, count, datatype, stream)
         send = _view(sendbuf, count, datatype, "allGather sendbuff")
         recv = _view(recvbuf, count * self._size, datatype, "allGather recvbuff")
         self._submit(stream, "allGather", lambda: self._comm.Allgather(send, recv))
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+        _converted("reduceScatter", sendbuf, recvbuf, recvcount, datatype, op, stream)
         send = _view(sendbuf, recvcount * self._size, datatype, "reduceScatter sendbuff")
         recv = _view(recvbuf, recvcount, datatype, "reduceScatter recvbuff")
         mine = slice(self._rank * recvcount, (self._rank + 1) * recvcount)
@@ -623,23 +892,64 @@ class NcclCommunicator:
             Ellipsis, self._reduced(send, op)[mine]))
 
     def send(self, sendbuf, count, datatype, peer, stream):
+        _converted("send", sendbuf, count, datatype, peer, stream)
         buf = _view(sendbuf, count, datatype, "send sendbuff")
         issue = lambda: [self._comm.Isend(buf, peer)]
         self._submit(stream, "send", issue, issue)
 
     def recv(self, recvbuf, count, datatype, peer, stream):
+        _converted("recv", recvbuf, count, datatype, peer, stream)
         buf = _view(recvbuf, count, datatype, "recv recvbuff")
         issue = lambda: [self._comm.Irecv(buf, peer)]
         self._submit(stream, "recv", issue, issue)
 
 
-# The module layout CuPy has: cupy.cuda, cupy.cuda.nccl, cupy.cuda.runtime.
-nccl = types.SimpleNamespace(
-    NcclCommunicator=NcclCommunicator, NcclError=NcclError, get_unique_id=get_unique_id,
-    get_version=get_version, groupStart=groupStart, groupEnd=groupEnd)
-runtime = types.SimpleNamespace(getDeviceCount=lambda: DEVICE_COUNT)
-cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event, nccl=nccl,
-                             runtime=runtime, get_current_stream=get_current_stream)
+# The module layout CuPy has: cupy.cuda and cupy.cuda.runtime are there once the package is
+# imported; cupy.cuda.nccl only once imported itself (CuPy's cuda/__init__.py does not import
+# it, and its __getattr__ raises AttributeError for it).
+def _submodule(name: str, **names: Any) -> types.ModuleType:
+    module = types.ModuleType(f"{__name__}.{name}")
+    module.__dict__.update(names)
+    return module
+
+
+__path__: list = []   # a package, as cupy is: its submodules are imported by name
+nccl = _submodule("cuda.nccl", available=True,
+                  NcclCommunicator=NcclCommunicator, NcclError=NcclError,
+                  get_unique_id=get_unique_id, get_version=get_version, groupStart=groupStart,
+                  groupEnd=groupEnd)
+runtime = _submodule("cuda.runtime", getDeviceCount=lambda: DEVICE_COUNT)
+cuda = _submodule("cuda", Device=Device, Stream=Stream, Event=Event, runtime=runtime,
+                  get_current_stream=get_current_stream, __path__=[])
+
+
+class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``<stand-in>.cuda`` and ``<stand-in>.cuda.nccl``; Python's import system sets
+    ``cuda.nccl`` only then, as for CuPy."""
+
+    modules = {cuda.__name__: cuda, nccl.__name__: nccl, runtime.__name__: runtime}
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname in self.modules:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        return self.modules[spec.name]
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+sys.meta_path.insert(0, _SubmoduleFinder())
+sys.modules[cuda.__name__] = cuda
+sys.modules[runtime.__name__] = runtime
+
+
+def forget_nccl_import() -> None:
+    """Undo ``import <stand-in>.cuda.nccl``, as in a fresh interpreter (for tests)."""
+    sys.modules.pop(nccl.__name__, None)
+    cuda.__dict__.pop("nccl", None)
 
 
 @contextlib.contextmanager
@@ -683,10 +993,6 @@ def _check_event_device(event: Event, stream: Stream) -> None:
                            f"stream of device {device} (cudaEventRecord fails)")
 
 
-class CUDARuntimeError(RuntimeError):
-    """cupy_backends' CUDARuntimeError, raised for a bad copy."""
-
-
 _pinned: dict = {}          # base address -> size in bytes, of every live pinned host buffer
 peer_access: set = set()    # (device, peer) pairs that _deviceEnsurePeerAccess enabled
 init_all_calls = 0          # how many times NcclCommunicator.initAll ran
@@ -728,6 +1034,7 @@ _KINDS = {memcpyHostToHost: ("host", "host"), memcpyHostToDevice: ("host", "devi
 
 
 def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
+    _converted("memcpy2DAsync", dst, dpitch, src, spitch, width, height, kind, stream)
     if width > dpitch or width > spitch:
         raise CUDARuntimeError(f"stand-in: width {width} exceeds a pitch ({dpitch}, {spitch})")
     if width == 0 or height == 0:
@@ -746,7 +1053,8 @@ def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
     queue = Stream.from_ptr(stream)
     name = f"memcpy {src_memory}->{dst_memory} {height}x{width}"
     if "pageable" in (src_memory, dst_memory):
-        queue.synchronize()
+        _runtime_call("cudaMemcpyAsync (pageable host memory)", unsafe=True)
+        queue.run_until(queue.enqueued)
         run()
         queue.log.append(f"{name} (at once)")
     else:
@@ -754,15 +1062,18 @@ def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
 
 
 def memcpyAsync(dst, src, size, kind, stream):
+    _converted("memcpyAsync", dst, src, size, kind, stream)
     memcpy2DAsync(dst, size, src, size, size, 1, kind, stream)
 
 
 def deviceCanAccessPeer(device: int, peerDevice: int) -> int:
+    _converted("deviceCanAccessPeer", device, peerDevice)
     Device(device), Device(peerDevice)
     return int(device != peerDevice)
 
 
 def _deviceEnsurePeerAccess(peerDevice: int) -> None:
+    _converted("_deviceEnsurePeerAccess", peerDevice)
     Device(peerDevice)
     if peerDevice == Device.current_id():
         raise CUDARuntimeError("stand-in: a device cannot be its own peer")
@@ -878,12 +1189,14 @@ class LocalNcclCommunicator:
             _open_cliques.append(self._clique)
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        _converted("broadcast", sendbuff, recvbuff, count, datatype, root, stream)
         root_here = self._rank == root
         send = _view(sendbuff, count, datatype, "broadcast sendbuff") if root_here else None
         recv = _view(recvbuff, count, datatype, "broadcast recvbuff")
         self._call("broadcast", (count, datatype, root), stream, send, recv)
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        _converted("reduce", sendbuf, recvbuf, count, datatype, op, root, stream)
         send = _view(sendbuf, count, datatype, "reduce sendbuff")
         recv = _view(recvbuf, count, datatype, "reduce recvbuff") if self._rank == root else None
         self._call("reduce", (count, datatype, op, root), stream, send, recv)
@@ -907,5 +1220,7 @@ cuda.alloc_pinned_memory = alloc_pinned_memory
 cuda.PinnedMemoryPointer = PinnedMemoryPointer
 for _name in ("memcpyAsync", "memcpy2DAsync", "memcpyHostToHost", "memcpyHostToDevice",
               "memcpyDeviceToHost", "memcpyDeviceToDevice", "memcpyDefault", "deviceCanAccessPeer",
-              "_deviceEnsurePeerAccess", "CUDARuntimeError"):
+              "_deviceEnsurePeerAccess", "CUDARuntimeError", "streamCaptureModeGlobal",
+              "streamCaptureModeThreadLocal", "streamCaptureModeRelaxed",
+              "threadExchangeStreamCaptureMode"):
     setattr(runtime, _name, globals()[_name])

@@ -2,6 +2,7 @@
 close, NCCL errors and timeouts. Against the stand-in in CI; the ordering test also runs on a
 real GPU, where a slow kernel writes the input just before the collective."""
 import gc
+import threading
 import time
 import weakref
 
@@ -108,6 +109,94 @@ def test_device_choice_spreads_local_ranks_over_gpus(monkeypatch):
         assert comm.device.id == comm.local_rank % 2
     with STANDIN.comm(device=1) as comm:
         assert comm.device.id == 1
+
+
+def test_every_entry_point_uses_the_communicators_device_while_another_is_current(
+        monkeypatch):
+    """The caller's stream is the current stream of the communicator's device (an event of
+    one device cannot be recorded on another's stream; the null stream is each device's own)."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    with STANDIN.comm(device=1) as comm:
+        comm.init_device()
+        x, y, z = _on(1, np.ones(3)), _on(1, np.ones(2)), _on(1, np.ones(2, np.float32))
+        n = float(comm.size)
+        with sd.Device(0):
+            assert_equal(STANDIN, comm.all_reduce(x), np.full(3, n))
+            comm.all_reduce(x, async_op=True).wait()
+            with comm.batch():
+                comm.all_reduce(x)
+            comm.all_reduce_coalesced([x, y, z])             # x and y packed on device 1
+            comm.all_reduce_coalesced([x, y], async_op=True).wait()
+            bucket = comm.bucket([x, y, z])
+            bucket.all_reduce()
+            out = comm.all_gather(x)
+        sd.Device(1).synchronize()
+        assert_equal(STANDIN, x, np.full(3, n ** 5))
+        assert_equal(STANDIN, bucket.arrays[0], np.full(3, n ** 6))
+        assert_equal(STANDIN, bucket.arrays[2], np.full(2, n ** 2, np.float32))
+        assert out.device.id == 1 and bucket.flats[0].device.id == 1
+
+
+def test_the_watchdog_queries_on_the_communicators_device(monkeypatch):
+    """A new thread's current device is 0: the watchdog's queries must make the
+    communicator's device current, or CUDA makes a context on GPU 0 for every rank."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    with STANDIN.comm(device=1) as comm:
+        backend = comm.init_device()
+        comm.all_reduce(_on(1, np.ones(2)))
+        sd.contexts.clear()
+        thread = threading.Thread(target=lambda: (backend.has_pending_work(),
+                                                  backend.async_error()))
+        thread.start()
+        thread.join()
+        assert (thread.ident, 0) not in sd.contexts and (thread.ident, 1) in sd.contexts
+
+
+def _on(device, data):
+    with sd.Device(device):
+        return sd.asarray(data)
+
+
+def test_close_waits_for_the_watchdogs_use_of_the_communicator(dcomm, monkeypatch):
+    """ncclCommGetAsyncError takes no lock and ncclCommDestroy frees what it reads: close()
+    (and abort) wait until the watchdog's call returns, and it leaves a closing one alone."""
+    backend = dcomm.init_device()
+    inside, release = threading.Event(), threading.Event()
+    real = backend._comm.check_async_error
+
+    def slow_check():
+        inside.set()
+        release.wait(10)
+        real()
+    monkeypatch.setattr(backend._comm, "check_async_error", slow_check)
+    answers, failures = [], []
+    watchdog_like = threading.Thread(target=lambda: answers.append(backend.async_error()))
+    watchdog_like.start()
+    inside.wait(10)
+
+    def close():
+        try:
+            backend.close()
+        except Exception as error:   # the stand-in's rule, if close did not wait
+            failures.append(error)
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(0.5)                 # long enough for an unserialised close to destroy
+    release.set()
+    watchdog_like.join()
+    closer.join()
+    assert failures == [] and answers == [""]
+    assert not backend._comm._alive and backend.async_error() == ""
+
+
+def test_after_an_abort_every_call_says_aborted(dcomm):
+    backend = dcomm.init_device()
+    assert backend.abort("a test")
+    with pytest.raises(cupycomm.NcclError, match="was aborted"):
+        backend.check_errors()
+    assert backend.async_error() == "" and not backend.has_pending_work()
+    with pytest.raises(sd.NcclError, match="aborted"):
+        backend._comm.check_async_error()        # NCCL's comm is freed: invalid argument
 
 
 def test_nccl_failure_is_a_named_error(dcomm, monkeypatch):

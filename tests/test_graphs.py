@@ -1,6 +1,8 @@
 """CUDA graph capture: a collective issued while the current stream is capturing is captured
 (the comm stream forks from and joins back into the capture by events, with no host
 synchronisation and no allocation), so replaying the graph replays the collective."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -61,8 +63,73 @@ def test_async_collective_in_a_capture_must_be_waited_in_it(dcomm):
     with stream:
         stream.begin_capture()
         dcomm.all_reduce(x, async_op=True)            # never joined: CUDA refuses the capture
-        with pytest.raises(sd.NcclError, match="not joined back"):
+        with pytest.raises(sd.CUDARuntimeError, match="not joined back"):
             stream.end_capture()
+
+
+def test_captured_collectives_leave_nothing_for_the_watchdog(dcomm):
+    """The events of captured collectives are graph nodes: never queried (CUDA answers
+    cudaErrorCapturedEvent for ever, and a query during the capture invalidates it), so the
+    watchdog must not see them as pending work, and captured Works are not kept in flight."""
+    backend = dcomm.init_device()
+    x = sd.asarray(np.ones(3))
+    stream = sd.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        dcomm.all_reduce(x)
+        work = dcomm.all_reduce(x, async_op=True)
+        assert not work.is_completed()               # not queried: the capture stays valid
+        work.wait()
+        assert work.is_completed()
+        with dcomm.batch():
+            batched = dcomm.all_reduce(x, async_op=True)
+        batched.wait()
+        graph = stream.end_capture()
+    assert not backend.has_pending_work() and not backend._inflight
+    graph.launch(stream)
+    stream.synchronize()
+    assert not backend.has_pending_work()
+    assert_equal(STANDIN, x, np.full(3, float(dcomm.size ** 3)))
+
+
+def test_wait_across_a_capture_boundary_is_refused_clearly(dcomm):
+    x = sd.asarray(np.ones(3))
+    stream = sd.Stream(non_blocking=True)
+    before = dcomm.all_reduce(x, async_op=True)
+    with stream:
+        stream.begin_capture()
+        with pytest.raises(RuntimeError, match="launched before it began"):
+            before.wait()                            # CUDA: cudaErrorStreamCaptureIsolation
+        captured = dcomm.all_reduce(x, async_op=True)
+        with pytest.raises(RuntimeError, match="captured in a CUDA graph runs when"):
+            captured.synchronize()
+        captured.wait()
+        stream.end_capture()
+    before.wait()
+    stream.synchronize()
+
+
+@pytest.mark.parametrize("mode", [None, 0, 1], ids=["cupy-relaxed", "torch-global",
+                                                    "thread-local"])
+def test_watchdog_queries_never_invalidate_a_capture(dcomm, mode):
+    """The watchdog thread queries events while the main thread captures: in relaxed mode,
+    which any capture mode allows (pytorch#104555: torch's default is global)."""
+    backend = dcomm.init_device()
+    x = sd.asarray(np.ones(3))
+    dcomm.all_reduce(x)                              # the watchdog's event: recorded outside
+    stream = sd.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture(mode)
+        dcomm.all_reduce(x)
+        answers = []
+        watchdog_like = threading.Thread(target=lambda: answers.append(
+            (backend.has_pending_work(), backend.async_error())))
+        watchdog_like.start()
+        watchdog_like.join()
+        graph = stream.end_capture()                 # raises if the capture was invalidated
+    assert answers == [(False, "")]
+    graph.launch(stream)
+    stream.synchronize()
 
 
 @pytest.mark.gpu
@@ -76,6 +143,10 @@ def test_gpu_graph_replays_the_collective():
         out = cupy.empty_like(x)
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
+            # Warm up first, as torch's graph docs advise: NCCL sets up its connections on a
+            # communicator's first collective, which must not be what is captured.
+            comm.all_reduce(x, out=out)
+            stream.synchronize()
             stream.begin_capture()
             comm.all_reduce(x, out=out)
             graph = stream.end_capture()

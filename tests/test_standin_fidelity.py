@@ -12,8 +12,7 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed: nothing to com
 nccl = pytest.importorskip("cupy.cuda.nccl", reason="CuPy has no NCCL module here")
 
 METHODS = ["allReduce", "reduce", "bcast", "broadcast", "allGather", "reduceScatter", "send",
-           "recv", "abort", "destroy", "check_async_error", "commSplit", "rank_id", "size",
-           "device_id"]
+           "recv", "abort", "destroy", "check_async_error", "rank_id", "size", "device_id"]
 
 
 def cupy_parameters(method, owner=None):
@@ -30,6 +29,17 @@ def cupy_parameters(method, owner=None):
 def test_nccl_communicator_methods_have_cupys_parameters(method):
     ours = list(inspect.signature(getattr(nccl_standin.NcclCommunicator, method)).parameters)
     assert ours == cupy_parameters(method)
+
+
+def test_comm_split_is_cupys_where_it_has_one_and_optional_for_the_backend(dcomm, monkeypatch):
+    """CuPy 14 has NcclCommunicator.commSplit, CuPy 13.6 does not (pyproject allows both):
+    the backend then makes subgroup communicators from new unique ids."""
+    if hasattr(nccl.NcclCommunicator, "commSplit"):
+        ours = list(inspect.signature(nccl_standin.NcclCommunicator.commSplit).parameters)
+        assert ours == cupy_parameters("commSplit")
+    backend = dcomm.init_device()
+    monkeypatch.delattr(nccl_standin.NcclCommunicator, "commSplit")
+    assert backend.split(0, dcomm.rank) is None
 
 
 def test_nccl_constants_match():

@@ -67,8 +67,9 @@ class HostCompletion(Completion, Protocol):
 
 
 class DeviceCompletion(Completion, Protocol):
-    def stream_wait(self, event: Any) -> None:
-        """The caller's current stream (of the backend's device) waits for ``event``."""
+    def stream_wait(self, event: Any, captured: bool = False, label: str = "wait") -> None:
+        """The caller's current stream (of the backend's device) waits for ``event``
+        (recorded in a CUDA graph capture if ``captured``)."""
 
 
 class Health(Protocol):

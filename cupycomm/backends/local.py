@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS, ReduceOp
 from ..errors import NcclError
+from .nccl import nccl_module
 
 __all__ = ["broadcast", "reduce_sum", "can_sum"]
 
@@ -59,7 +60,7 @@ def reduce_sum(name: str, xp: Any, devices: Tuple[int, ...], streams: Sequence[A
 def _group(name: str, xp: Any, devices: Tuple[int, ...],
            calls: Callable[[List[Any]], None]) -> None:
     """``calls(communicators)`` as one NCCL group over the communicators of ``devices``."""
-    nccl = xp.cuda.nccl
+    nccl = nccl_module(xp)
     try:
         key = (xp, devices)
         if key not in _communicators:

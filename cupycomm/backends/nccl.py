@@ -12,14 +12,32 @@ Both events of the synchronous form are reused on every call: a CUDA stream wait
 the event's state when it is issued, so re-recording the event later cannot disturb it. The
 same choreography is what CUDA graph capture needs to fork and join the comm stream.
 
+The caller's stream is the current stream *of the communicator's device*, whatever device is
+current (an event can only be recorded on a stream of its own device).
+
+CUDA graph capture: a collective issued while the caller's stream (or ``stream=``) is capturing
+is captured. Its events are then graph nodes, which CUDA forbids querying or synchronizing
+(``cudaErrorCapturedEvent``; querying one during the capture invalidates it): a captured
+collective records ``_captured_finished``, never ``_finished`` (which the watchdog queries),
+and its Work is not watched; it completes when ``wait()`` joins it back into the capture.
+The watchdog thread queries in relaxed capture mode (so that a capture in global mode, torch's
+default, in another thread is not invalidated by it: pytorch#104555) and with the
+communicator's device current (a new thread's current device is 0, where a query would
+create a CUDA context). It and ``close()`` never use the NCCL communicator at once:
+``ncclCommGetAsyncError`` takes no lock while ``ncclCommDestroy`` frees what it reads.
+
 Data movement is described to NCCL as bytes; reductions use the NCCL datatype and count
 factor of the dtype table (a complex element is two reals).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
+import functools
 import importlib
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 from .._bootstrap import broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
@@ -27,14 +45,68 @@ from .._parts import offsets
 from ..errors import CollectiveTimeout, NcclError, PeerLost
 from ..work import DeviceWork
 
-__all__ = ["NcclBackend", "library_version"]
+__all__ = ["NcclBackend", "library_version", "nccl_module"]
+
+
+def nccl_module(cupy: Any) -> Any:
+    """``cupy.cuda.nccl``, imported: ``import cupy`` does not create it (CuPy's ``cuda``
+    package has no ``nccl`` attribute until the submodule is imported).
+
+    Raises RuntimeError when CuPy's NCCL module is there but libnccl could not load
+    (``cupy.cuda.nccl.available`` is False)::
+
+        nccl = nccl_module(cupy)
+        unique_id = nccl.get_unique_id()
+    """
+    module = importlib.import_module(f"{cupy.__name__}.cuda.nccl")
+    if not getattr(module, "available", True):
+        raise RuntimeError(
+            f"{cupy.__name__}.cuda.nccl.available is False: libnccl could not load, so "
+            f"device collectives cannot run; install NCCL for this CUDA (e.g. pip install "
+            f"nvidia-nccl-cu12) or put libnccl.so.2 on LD_LIBRARY_PATH")
+    return module
+
+
+_RELAXED = 2   # cudaStreamCaptureModeRelaxed (CUDA's enum; CuPy's runtime has it too)
+
+
+@contextlib.contextmanager
+def _relaxed_capture_mode(runtime: Any) -> Iterator[None]:
+    """This thread in relaxed stream-capture mode inside the block (as torch's watchdog does):
+    its event queries are then never refused for another thread's capture in global mode.
+    CuPy does not wrap cudaThreadExchangeStreamCaptureMode: the driver's function is called
+    (a module with ``threadExchangeStreamCaptureMode``, as the stand-in, provides its own)."""
+    exchange = getattr(runtime, "threadExchangeStreamCaptureMode", None)
+    if exchange is None:
+        exchange = _driver_capture_mode_exchange()
+    previous = exchange(_RELAXED)
+    try:
+        yield
+    finally:
+        exchange(previous)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_capture_mode_exchange() -> Any:
+    """``exchange(mode) -> previous mode`` through the driver's
+    cuThreadExchangeStreamCaptureMode; without a driver nothing can capture: a no-op."""
+    try:
+        call = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+    except OSError:
+        return lambda mode: mode
+
+    def exchange(mode: int) -> int:
+        value = ctypes.c_int(mode)
+        call(ctypes.byref(value))
+        return value.value
+    return exchange
 
 
 def library_version(cupy: Any) -> str:
     """NCCL's version, e.g. ``"2.23.4"``, as ``cupy``'s NCCL module reports it; ``""`` where
     CuPy has no NCCL module or libnccl cannot load."""
     try:
-        code = importlib.import_module(f"{cupy.__name__}.cuda.nccl").get_version()
+        code = nccl_module(cupy).get_version()
     except Exception:   # no NCCL module in this CuPy, or its library fails to load
         return ""
     return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
@@ -67,9 +139,10 @@ class NcclBackend:
     def __init__(self, mpi_comm: Any, device_id: int, cupy: Any, tracker: Any,
                  nccl_comm: Any = None) -> None:
         cuda = cupy.cuda
+        nccl = nccl_module(cupy)
         self._cupy = cupy
-        self._nccl_module = cuda.nccl
-        self._raw_error = cuda.nccl.NcclError
+        self._nccl_module = nccl
+        self._raw_error = nccl.NcclError
         self.array_type = cupy.ndarray
         self.device_id = device_id
         self._device = cuda.Device(device_id)
@@ -77,20 +150,25 @@ class NcclBackend:
         self._size = mpi_comm.Get_size()
         self._tracker = tracker
         self._current_stream = cuda.get_current_stream
+        self._runtime = cuda.runtime
         self._new_event = cuda.Event
         self._inflight: collections.deque = collections.deque()
         self._group: Any = None   # the open batch() block, if any
         self._aborted = ""        # why the NCCL communicator can no longer be used
         self._peer_lost = False
+        # The watchdog's use of the NCCL communicator against abort() and close() (NCCL's
+        # communicator is not thread-safe there).
+        self._lifetime = threading.Lock()
         with self._device:
             if nccl_comm is None:
-                unique_id = broadcast_unique_id(mpi_comm, cuda.nccl.get_unique_id)
-                nccl_comm = self._nccl(lambda: cuda.nccl.NcclCommunicator(
+                unique_id = broadcast_unique_id(mpi_comm, nccl.get_unique_id)
+                nccl_comm = self._nccl(lambda: nccl.NcclCommunicator(
                     self._size, unique_id, self._rank), "init")
             self._comm = nccl_comm
             self._stream = cuda.Stream(non_blocking=True)
             self._ready = cuda.Event(disable_timing=True)      # recorded on the caller's stream
-            self._finished = cuda.Event(disable_timing=True)   # recorded on the comm stream
+            self._finished = cuda.Event(disable_timing=True)   # on the comm stream, not captured
+            self._captured_finished = cuda.Event(disable_timing=True)   # the same, in captures
 
     @property
     def stream(self) -> Any:
@@ -115,13 +193,21 @@ class NcclBackend:
         self._tracker.seq += 1
         if self._group is not None:
             return self._launch_grouped(call, args, result, keep, label, stream, unpack)
+        with self._device:   # handle 0 (the null stream) means the current device's
+            return self._launch_ordered(call, args, result, keep, label, async_op, stream,
+                                        unpack)
+
+    def _launch_ordered(self, call, args: tuple, result, keep: tuple, label: str,
+                        async_op: bool, stream: Any, unpack) -> Any:
         if stream is None:
-            caller = self._current_stream()
+            caller = self._current_stream(self.device_id)
+            captured = caller.is_capturing()
             self._ready.record(caller)
             stream = self._stream
             stream.wait_event(self._ready)
         else:
             caller = None
+            captured = stream.is_capturing()
         try:
             call(*args, stream.ptr)
         except self._raw_error as error:
@@ -131,10 +217,11 @@ class NcclBackend:
                 for dst, src in unpack:
                     dst[...] = src
         if async_op:
-            return self._work(stream, result, keep, label)
+            return self._work(stream, result, keep, label, captured)
         if caller is not None:
-            self._finished.record(stream)
-            caller.wait_event(self._finished)
+            finished = self._captured_finished if captured else self._finished
+            finished.record(stream)
+            caller.wait_event(finished)
         return result
 
     def _launch_grouped(self, call, args: tuple, result, keep: tuple, label: str,
@@ -147,7 +234,7 @@ class NcclBackend:
                             f"block runs on the comm stream) on rank {self._rank}")
         group.claim("device", label)
         if group.caller is None:   # the stream whose earlier work the block must see
-            group.caller = self._current_stream()
+            group.caller = self._current_stream(self.device_id)
         group.calls.append((call, args, unpack))
         work = DeviceWork(None, result, keep, self, label)   # its event comes with the block's end
         group.works.append(work)
@@ -162,7 +249,12 @@ class NcclBackend:
         self._group = None
         if group.kind != "device" or cancel:
             return
+        with self._device:
+            self._launch_group(group)
+
+    def _launch_group(self, group: Any) -> None:
         stream = self._stream
+        captured = group.caller.is_capturing()
         self._ready.record(group.caller)
         stream.wait_event(self._ready)
         nccl = self._nccl_module
@@ -179,23 +271,27 @@ class NcclBackend:
             for _, _, unpack in group.calls:
                 for dst, src in unpack:
                     dst[...] = src
-        with self._device:
-            event = self._new_event(disable_timing=True)
+        event = self._new_event(disable_timing=True)
         event.record(stream)
         group.caller.wait_event(event)
         for work in group.works:
-            work._event = event
-            self._inflight.append(work)
+            work._event, work._captured = event, captured
+            if not captured:
+                self._inflight.append(work)
 
-    def _work(self, stream: Any, result: Any, keep: tuple, label: str) -> DeviceWork:
+    def _work(self, stream: Any, result: Any, keep: tuple, label: str,
+              captured: bool) -> DeviceWork:
+        """The Work of an ``async_op`` call just launched on ``stream``. Outside a capture it
+        stays in ``_inflight`` (which keeps the arrays alive even if the caller drops the
+        Work) until it completes; a captured one is never queried, nor watched."""
         inflight = self._inflight
-        while inflight and inflight[0].is_completed():
+        while not captured and inflight and inflight[0].is_completed():
             inflight.popleft()
-        with self._device:
-            event = self._new_event(disable_timing=True)
+        event = self._new_event(disable_timing=True)
         event.record(stream)
-        work = DeviceWork(event, result, keep, self, label)
-        inflight.append(work)   # keeps the arrays alive even if the caller drops the Work
+        work = DeviceWork(event, result, keep, self, label, captured)
+        if not captured:
+            inflight.append(work)
         return work
 
     def _in_group(self, calls, stream_ptr: int) -> None:
@@ -295,6 +391,8 @@ class NcclBackend:
             return None
         if self._aborted:
             raise self._was_aborted("split")
+        # CuPy's docstring of commSplit: collectives still in flight may deadlock it.
+        self._stream.synchronize()
         with self._device:
             return self._nccl(lambda: self._comm.commSplit(-1 if color is None else color, key),
                               "split")
@@ -309,15 +407,31 @@ class NcclBackend:
             with stream:
                 return self._cupy.empty(shape, dtype)
 
-    def stream_wait(self, event: Any) -> None:
-        self._current_stream().wait_event(event)
+    def stream_wait(self, event: Any, captured: bool = False, label: str = "wait") -> None:
+        """The caller's stream waits for ``event``: one recorded in a capture (``captured``)
+        only in that capture, one recorded outside only outside any capture (CUDA refuses
+        both others: an event of an ended capture cannot be used, and a capture cannot wait
+        on outside work)."""
+        caller = self._current_stream(self.device_id)
+        if caller.is_capturing() != captured:
+            raise RuntimeError(
+                f"{label}: wait() of a collective launched in a CUDA graph capture must be "
+                f"called in that capture, and wait() of one launched outside must not be "
+                f"called inside a capture (wait for it before begin_capture), on rank "
+                f"{self._rank}" if captured else
+                f"{label}: wait() inside a CUDA graph capture of a collective launched before "
+                f"it began: the capture cannot wait on outside work; call wait() before "
+                f"begin_capture(), on rank {self._rank}")
+        with self._device:
+            caller.wait_event(event)
 
     def check_errors(self) -> None:
         """Raise :class:`NcclError` if NCCL reported an asynchronous error or the communicator
         was aborted (:class:`PeerLost` if that was for a peer that died)."""
-        if self._aborted:
-            raise self._was_aborted("wait")
-        self._nccl(self._comm.check_async_error, "asynchronous error")
+        with self._lifetime:   # not while the watchdog aborts it
+            if self._aborted:
+                raise self._was_aborted("wait")
+            self._nccl(self._comm.check_async_error, "asynchronous error")
 
     def _was_aborted(self, label: str) -> NcclError:
         kind = PeerLost if self._peer_lost else NcclError
@@ -337,37 +451,46 @@ class NcclBackend:
         """Abort the NCCL communicator: its pending operations end, it cannot be used again
         (``peer_lost``: because a peer died). Returns whether this call aborted it (False if
         it already was)."""
-        if self._aborted:
-            return False
-        self._aborted, self._peer_lost = reason, peer_lost
-        self._comm.abort()
+        with self._lifetime:
+            if self._aborted:
+                return False
+            self._aborted, self._peer_lost = reason, peer_lost
+            self._comm.abort()
         return True
 
     # -- what the watchdog thread asks (no MPI, no blocking) --------------------------------------
     def has_pending_work(self) -> bool:
-        """Whether collectives launched on the comm stream have not finished yet."""
+        """Whether collectives launched on the comm stream outside captures have not
+        finished yet."""
         if self._aborted:
             return False
         try:
             last = self._inflight[-1]._event if self._inflight else None
         except IndexError:   # emptied by the main thread meanwhile
             last = None
-        return not self._finished.done or (last is not None and not last.done)
+        with _relaxed_capture_mode(self._runtime), self._device:
+            return not self._finished.done or (last is not None and not last.done)
 
     def async_error(self) -> str:
         """NCCL's asynchronous error, if it reported one, else ''."""
-        if self._aborted:
-            return ""
-        try:
-            self._comm.check_async_error()
-        except self._raw_error as error:
-            return str(error)
+        with self._lifetime:
+            if self._aborted:   # aborted, or closing: the communicator is (being) freed
+                return ""
+            try:
+                self._comm.check_async_error()
+            except self._raw_error as error:
+                return str(error)
         return ""
 
     def close(self) -> None:
+        """Wait for the comm stream, then destroy the NCCL communicator (unless the watchdog
+        aborted it meanwhile)."""
         if self._aborted:
             return
         self._stream.synchronize()
-        self._inflight.clear()
-        self._comm.destroy()
-        self._aborted = "closed"
+        with self._lifetime:
+            if self._aborted:
+                return
+            self._aborted = "closed"   # the closing mark: the watchdog leaves it alone
+            self._inflight.clear()
+            self._comm.destroy()

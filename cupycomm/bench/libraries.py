@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._bootstrap import broadcast_unique_id
+from ..backends.nccl import library_version, nccl_module
 from .collectives import Call, Case, Collective, Runner
 from .timing import CudaEvents, HostClock
 
@@ -183,7 +184,7 @@ class RawNccl:
 
 
 def _raw_nccl(comm: Any, xp: Any) -> RawNccl:
-    nccl = xp.cuda.nccl
+    nccl = nccl_module(xp)
     unique_id = broadcast_unique_id(comm.mpi_comm, nccl.get_unique_id)
     with xp.cuda.Device(comm.device.id):
         raw = nccl.NcclCommunicator(comm.size, unique_id, comm.rank)
@@ -267,7 +268,7 @@ def device_setup(comm: Any, compare: bool, stand_in: bool) -> Setup:
         setup = Setup("device (NCCL)", arrays, [_cupycomm(comm)], CudaEvents(xp.cuda, barrier),
                       "barrier, then CUDA events on the current stream",
                       versions={"cupy": xp.__version__,
-                                "nccl": str(xp.cuda.nccl.get_version()),
+                                "nccl": library_version(xp),
                                 "gpu": _gpu_name(xp, comm.device.id)})
     if not compare:
         return setup

@@ -107,8 +107,11 @@ def _memcpy(runtime: Any, c: Copy, stream: Any) -> None:
         return
     if c.src_place == HOST:
         kind = runtime.memcpyHostToDevice
-    else:
-        kind = runtime.memcpyDeviceToHost if c.dst_place == HOST else runtime.memcpyDeviceToDevice
+    elif c.dst_place == HOST:
+        kind = runtime.memcpyDeviceToHost
+    else:   # between two GPUs CUDA finds the devices from the addresses, as CuPy's copies do
+        kind = runtime.memcpyDeviceToDevice if c.src_place == c.dst_place else \
+            runtime.memcpyDefault
     if height == 1 or dpitch == spitch == width:
         runtime.memcpyAsync(dst, src, width * height, kind, stream.ptr)
     else:

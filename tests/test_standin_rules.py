@@ -1,0 +1,223 @@
+"""Each rule of the stand-in (see the list in ``nccl_standin``'s docstring), broken on purpose:
+the stand-in must refuse what CUDA or NCCL would refuse, or the suite proves nothing."""
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import nccl_standin as sd
+from cupycomm.backends.nccl import NcclBackend, nccl_module
+
+
+class Tracker:
+    seq = 0
+
+
+# -- the nccl submodule exists once imported --------------------------------------------------------
+def test_cuda_has_no_nccl_until_it_is_imported():
+    sd.forget_nccl_import()
+    with pytest.raises(AttributeError):
+        sd.cuda.nccl
+    backend = NcclBackend(MPI.COMM_SELF, 0, sd, Tracker())   # imports it, as it must
+    assert sd.cuda.nccl is sd.nccl
+    backend.close()
+
+
+def test_nccl_that_cannot_load_is_named(monkeypatch):
+    monkeypatch.setattr(sd.nccl, "available", False)
+    with pytest.raises(RuntimeError, match="libnccl could not load"):
+        nccl_module(sd)
+    with pytest.raises(RuntimeError, match="libnccl could not load"):
+        NcclBackend(MPI.COMM_SELF, 0, sd, Tracker())
+
+
+# -- CUDA graph capture -----------------------------------------------------------------------------
+def capturing(mode=None):
+    """A stream that has begun a capture in ``mode`` (the stand-in's default: CuPy's relaxed)."""
+    stream = sd.Stream(non_blocking=True)
+    stream.begin_capture(mode)
+    return stream
+
+
+def in_new_thread(call):
+    """What ``call()`` returns or raises in a new thread (whose capture mode is CUDA's default,
+    global)."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except Exception as error:
+            outcome.append(error)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return outcome[0]
+
+
+def test_an_event_recorded_in_a_capture_is_never_done():
+    stream = capturing()
+    event = sd.Event()
+    event.record(stream)
+    assert not event.done                           # the query invalidates the capture
+    with pytest.raises(sd.CUDARuntimeError, match="Invalidated"):
+        stream.end_capture()
+    assert not event.done                           # cudaErrorCapturedEvent, for ever
+    with pytest.raises(sd.CUDARuntimeError, match="cudaErrorCapturedEvent"):
+        event.synchronize()
+    event.record(sd.Stream())                        # recorded again outside: usable
+    assert event.done
+
+
+@pytest.mark.parametrize("mode", [sd.streamCaptureModeGlobal, sd.streamCaptureModeThreadLocal])
+@pytest.mark.parametrize("call", ["query", "synchronize", "allocate"])
+def test_unsafe_calls_invalidate_a_strict_capture(mode, call):
+    """In global or thread-local mode, the capturing thread may not query, synchronize or
+    allocate; in global mode, no other thread in global mode may either."""
+    unrelated = sd.Event()
+    unrelated.record(sd.Stream())
+    calls = {"query": lambda: unrelated.done, "synchronize": unrelated.synchronize,
+             "allocate": lambda: sd.empty(4)}
+    stream = capturing(mode)
+    other_thread = in_new_thread(calls[call])
+    if mode == sd.streamCaptureModeGlobal:
+        assert other_thread is False or isinstance(other_thread, sd.CUDARuntimeError)
+    else:
+        assert other_thread is True or not isinstance(other_thread, Exception)
+        with pytest.raises(sd.CUDARuntimeError) if call != "query" else contextlib.nullcontext():
+            assert calls[call]() is not True
+    with pytest.raises(sd.CUDARuntimeError, match="Invalidated"):
+        stream.end_capture()
+
+
+def test_relaxed_captures_and_relaxed_threads_allow_unsafe_calls():
+    unrelated = sd.Event()
+    unrelated.record(sd.Stream())
+    stream = capturing()                              # CuPy's default: relaxed
+    assert unrelated.done and in_new_thread(lambda: unrelated.done) is True
+    sd.empty(4)
+    stream.end_capture()
+    stream = capturing(sd.streamCaptureModeGlobal)
+
+    def relaxed_query():
+        sd.runtime.threadExchangeStreamCaptureMode(sd.streamCaptureModeRelaxed)
+        return unrelated.done
+    assert in_new_thread(relaxed_query) is True
+    stream.end_capture()
+
+
+def test_a_capture_cannot_wait_on_outside_work():
+    outside = sd.Event()
+    outside.record(sd.Stream())
+    stream = capturing()
+    with pytest.raises(sd.CUDARuntimeError, match="cudaErrorStreamCaptureIsolation"):
+        stream.wait_event(outside)
+    with pytest.raises(sd.CUDARuntimeError, match="Invalidated"):
+        stream.end_capture()
+
+
+def test_forked_streams_must_join():
+    stream, side = capturing(), sd.Stream(non_blocking=True)
+    fork = sd.Event()
+    fork.record(stream)
+    side.wait_event(fork)                             # side joins the capture
+    assert side.is_capturing()
+    with pytest.raises(sd.CUDARuntimeError, match="cudaErrorStreamCaptureUnjoined"):
+        stream.end_capture()
+    stream = capturing()
+    fork.record(stream)
+    side.wait_event(fork)
+    join = sd.Event()
+    join.record(side)
+    stream.wait_event(join)
+    stream.end_capture()
+    assert not side.is_capturing()
+
+
+# -- devices, streams and events ---------------------------------------------------------------------
+def test_a_new_thread_starts_on_device_0_and_each_device_has_its_own_null_stream(monkeypatch):
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    with sd.Device(1):
+        assert in_new_thread(lambda: sd.Device().id) == 0
+        on_one = sd.Stream.null.queue()
+        sd.launch(sd.Stream.null, lambda: None, "on device 1's null stream")
+    assert sd.Stream.null.queue() is not on_one
+    assert "on device 1's null stream" not in sd.Stream.null.log
+    assert sd.get_current_stream(1) is sd.Stream.null   # no stream entered on device 1
+
+
+def test_events_and_streams_of_different_devices_do_not_mix(monkeypatch):
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    with sd.Device(1):
+        event, stream = sd.Event(), sd.Stream()
+    with pytest.raises(RuntimeError, match="recorded on a stream of device 0"):
+        event.record(sd.Stream())
+    with pytest.raises(RuntimeError, match="recorded on a stream of device 0"):
+        event.record(sd.Stream.null)                 # handle 0: the current device's
+    with pytest.raises(RuntimeError, match="the current device is 0"):
+        with stream:
+            pass
+    event.record(stream)
+    sd.Stream().wait_event(event)                    # waiting across devices is allowed
+
+
+# -- NCCL ----------------------------------------------------------------------------------------------
+def test_a_communicator_is_made_on_the_current_device(monkeypatch):
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    with sd.Device(1):
+        comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    assert comm.device_id() == 1
+    comm.destroy()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("setting", [{}, {"NCCL_HOSTID": "rank"},
+                                     {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}],
+                         ids=["refused", "distinct-hostids", "multi-rank-switch"])
+def test_two_ranks_on_one_gpu_are_refused_unless_told(monkeypatch, setting):
+    monkeypatch.setattr(sd, "SHARED_GPUS", True)        # the ranks of one host share GPU 0
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    world = MPI.COMM_WORLD
+    for name, value in setting.items():
+        monkeypatch.setenv(name, f"host-{world.Get_rank()}" if value == "rank" else value)
+    unique_id = world.bcast(sd.get_unique_id() if world.Get_rank() == 0 else None)
+    if not setting:
+        with pytest.raises(sd.NcclError, match="Duplicate GPU detected"):
+            sd.NcclCommunicator(world.Get_size(), unique_id, world.Get_rank())
+        return
+    comm = sd.NcclCommunicator(world.Get_size(), unique_id, world.Get_rank())
+    comm.destroy()
+
+
+def test_a_destroyed_or_aborted_communicator_refuses_every_call():
+    for end in ("destroy", "abort"):
+        comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+        getattr(comm, end)()
+        x = sd.zeros(2)
+        for call in (comm.check_async_error,
+                     lambda: comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, 0),
+                     lambda: comm.commSplit(0, 0)):
+            with pytest.raises(sd.NcclError, match="ncclInvalidArgument"):
+                call()
+        getattr(comm, end)()                           # CuPy: a no-op on a NULL handle
+
+
+@pytest.mark.parametrize("bad, error", [(2.0, TypeError), (None, TypeError),
+                                        (-1, OverflowError)], ids=["float", "None", "negative"])
+def test_arguments_are_converted_as_cupys_compiled_signatures_do(bad, error):
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    x = sd.zeros(2)
+    with pytest.raises(error):
+        comm.allReduce(x.data.ptr, x.data.ptr, bad, 8, 0, 0)       # size_t count
+    with pytest.raises(TypeError):
+        comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0)            # arity
+    with pytest.raises(error if bad is not None else TypeError):
+        sd.runtime.memcpyAsync(x.data.ptr, x.data.ptr, 8, sd.runtime.memcpyDefault,
+                               bad if bad != -1 else 2 ** 64)      # intptr_t stream
+    with pytest.raises(TypeError):
+        sd.NcclCommunicator(1, bytearray(sd.get_unique_id()), 0)   # bytes commId
+    comm.allReduce(x.data.ptr, x.data.ptr, np.uint64(2), np.int32(8), 0, 0)   # __index__
+    comm.destroy()
