@@ -116,13 +116,14 @@ def main(name: str) -> None:
         os._exit(0)
     if name == "sigkill" and culprit:
         os.kill(os.getpid(), signal.SIGKILL)
-    if name == "os-exit-0-beside-a-busy-leader":   # on 2 + 2 ranks: rank 2 leads node 1
+    if name == "os-exit-0-beside-a-busy-leader":   # on 1 + 2 or 2 + 2 ranks: the rank
+        # before the culprit leads their node
         if culprit:
             os._exit(0)
         if comm.rank == comm.size - 2:
             time.sleep(30)   # not in a collective: its watchdog relays, it does not judge
     if name in ("long-compute", "long-sleep") and culprit:   # longer than the heartbeat bound
-        seconds = _env.read("CUPYCOMM_HEARTBEAT_TIMEOUT") + 2
+        seconds = _env.read("CUPYCOMM_HEARTBEAT_TIMEOUT") + 1
         compute_in_python(seconds) if name == "long-compute" else time.sleep(seconds)
     if name == "node-sigkill":
         signal_the_culprits_node(comm, signal.SIGKILL)
