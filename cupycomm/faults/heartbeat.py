@@ -56,7 +56,7 @@ _TAG = 0
 
 class Departure(NamedTuple):
     """A rank or node on another node that this node's leader knows is gone."""
-    who: str        # "rank 3 of communicator world (node nodeB, pid 42)"
+    who: str        # "rank 3 of communicator world (node nodeB)"
     left: int       # board.CLOSED or board.EXITING; 0: died, or its node went silent
     seq: int        # the collectives it issued before it left
     since: float    # time.monotonic() when the leader learnt it
@@ -102,8 +102,11 @@ class Heartbeats:
     def connect(cls, mpi_comm: MPI.Comm, node: MPI.Comm, board: NodeBoard,
                 name: str) -> Optional["Heartbeats"]:
         """Collective over ``mpi_comm`` (``node``: its ranks on this node, whose board is
-        ``board``): the heartbeats of a communicator that spans nodes, else None."""
-        if node.Get_size() == mpi_comm.Get_size():
+        ``board``): the heartbeats of a communicator that spans nodes, else None (and None
+        where MPI was not initialised with MPI_THREAD_MULTIPLE, mpi4py's default: the
+        watchdog thread could not make MPI calls)."""
+        if (node.Get_size() == mpi_comm.Get_size()
+                or MPI.Query_thread() < MPI.THREAD_MULTIPLE):
             return None
         rank = mpi_comm.Get_rank()
         leader = node.bcast(rank, root=0)
@@ -140,8 +143,8 @@ class Heartbeats:
     def poll(self, now: float) -> None:
         """Receive what has come, beat when due, judge silent nodes, relay (watchdog
         thread). Does nothing on a rank that is not a leader."""
-        if self._comm is None or self._broken:
-            return
+        if self._comm is None or self._broken or MPI.Is_finalized():
+            return   # (a program may finalize MPI itself before closing its communicators)
         try:
             self._receive(now)
             if now >= self._next_beat:
