@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import socket
 import sys
 import time
 from typing import Any, Callable, List, Optional, Tuple
@@ -18,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
+from cupycomm._bootstrap import node_name
 from cupycomm.backends.nccl import library_version
 
 
@@ -30,7 +30,7 @@ def _environment(comm: cupycomm.Communicator) -> List[str]:
         gpu_name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode()
         where = (f"GPU {device.id} ({gpu_name}), NCCL {library_version(cupy) or 'missing'}, "
                  f"CuPy {cupy.__version__}")
-    mine = f"rank {comm.rank}: host {socket.gethostname()}, local rank {comm.local_rank}, {where}"
+    mine = f"rank {comm.rank}: host {node_name()}, local rank {comm.local_rank}, {where}"
     return comm.mpi_comm.gather(mine, root=0) or []
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from mpi4py import MPI
 
-__all__ = ["world", "node_comm", "choose_device", "import_cupy", "broadcast_unique_id",
+__all__ = ["world", "node_comm", "node_name", "choose_device", "import_cupy", "broadcast_unique_id",
            "track_for_exit", "describe_rank", "exiting"]
 
 
@@ -27,11 +27,17 @@ def node_comm(comm: MPI.Comm) -> MPI.Comm:
     return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
 
 
+def node_name() -> str:
+    """This node's name: the launcher's (MPICH's hydra says PMI_HOSTNAME, the name it was
+    given, which may be a simulated node's), else the host's."""
+    return os.environ.get("PMI_HOSTNAME") or socket.gethostname()
+
+
 def describe_rank(rank: Optional[int] = None) -> str:
     """'rank 3 of 4 (host node17, pid 4242)' for messages."""
     w = MPI.COMM_WORLD
     rank = w.Get_rank() if rank is None else rank
-    return f"rank {rank} of {w.Get_size()} (host {socket.gethostname()}, pid {os.getpid()})"
+    return f"rank {rank} of {w.Get_size()} (host {node_name()}, pid {os.getpid()})"
 
 
 def import_cupy() -> Optional[Any]:

@@ -59,6 +59,9 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("CUPYCOMM_ABORT_ON_EXCEPTION", _flag, True,
              "abort the MPI job when an exception escapes on one rank "
              "(init(abort_on_exception=) wins)"),
+    Variable("CUPYCOMM_HEARTBEAT_TIMEOUT", _seconds, 5.0,
+             "seconds without a heartbeat after which a node of a multi-node job is taken "
+             "as dead (see docs/guide/many-nodes.md)"),
     Variable("CUPYCOMM_BENCH_COMMAND", _text, "",
              "the command line python -m cupycomm.bench records (set by benchmarks/run_matrix)"),
 )

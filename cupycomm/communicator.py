@@ -36,6 +36,7 @@ from . import _bootstrap, _env, coalesce, objects
 from .faults import abort, debug as _debug
 from ._dtypes import ReduceOp
 from .faults.board import NodeBoard
+from .faults.heartbeat import Heartbeats
 from ._dispatch import Dispatch
 from ._parts import JoinedShapes
 from ._validate import Validation
@@ -106,8 +107,9 @@ class Communicator(Dispatch, Validation):
         self.local_rank: int = node.Get_rank()
         self._device_rank = self.local_rank if device_rank is None else device_rank
         board = NodeBoard(node, self.rank) if self.size > 1 else None
+        beats = Heartbeats.connect(mpi_comm, node, board, name) if board is not None else None
         node.Free()
-        self._tracker = Tracker(name, self.rank, self.size, timeout, board)
+        self._tracker = Tracker(name, self.rank, self.size, timeout, board, beats)
         if self.size > 1:
             watch(self._tracker)
         self._host = MPIBackend(mpi_comm, self._tracker)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cupycomm.testing import no_auto_cleanup, run_mpiexec
+from cupycomm.launchers import find
+from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
@@ -140,3 +141,68 @@ def test_a_dead_peer_ends_a_device_wait_with_peer_lost():
     assert "has died (its process ended: os._exit, a signal or a crash)" in job.output, job.output
     assert "cupycomm.errors.PeerLost: wait: the NCCL communicator was aborted" in job.output
     no_rank_finished(job)
+
+
+# -- on two simulated nodes: the last node's ranks fail, the first node's wait --------------------
+# 3 ranks: the culprit alone on node 1, or with the leader of node 1; time_to_exit.py --nodes
+# runs the same faults on 4 ranks.
+NODE_BOUND = 15.0   # seconds within which a whole node's failure must end the job
+HEARTBEAT = 3.0     # CUPYCOMM_HEARTBEAT_TIMEOUT here (5 s by default: time_to_exit.py)
+COLLECTIVE = "waits in all_reduce #"
+NODE1_SILENT = "node node1 (ranks [1, 2]) of communicator world has sent no heartbeat"
+CUPYCOMM_NAMES = {   # scenario: (ranks per node, what cupycomm's message says of the culprit)
+    "os-exit-0": ((2, 1), ["node node1 (ranks [2]) of communicator world has sent no "
+                           "heartbeat"]),
+    "sys-exit-0": ((2, 1), ["rank 2 of communicator world (node node1) has exited (its "
+                            "program ended or called sys.exit) after its collective #1"]),
+    "exit-3": ((2, 1), ["rank 2 of communicator world (node node1) has exited"]),
+    "sigkill": ((2, 1), ["node node1 (ranks [2]) of communicator world has sent no heartbeat"]),
+    "raise-before-collective": ((2, 1), ["uncaught exception on rank 2 of 3 (host node1"]),
+    # Its node's leader relays the death; hydra's cleanup may kill that leader first.
+    "os-exit-0-beside-a-busy-leader": ((1, 2), ["rank 2 of communicator world (node node1) "
+                                                "has died (its process ended", NODE1_SILENT]),
+    "node-sigkill": ((1, 2), [NODE1_SILENT]),
+    "node-sigstop": ((1, 2), [NODE1_SILENT]),
+}
+# With hydra's own cleanup, a rank killed by a signal makes mpiexec end the job at once,
+# before any heartbeat is missed; hydra names the node and the signal then.
+KILLED_BY_A_SIGNAL = ("sigkill", "node-sigkill")
+simulates_nodes = pytest.mark.skipif(find().kind not in SIMULATES_NODES,
+                                     reason="only MPICH's and Intel MPI's hydra can simulate "
+                                            "nodes")
+
+
+def run_on_nodes(name, ranks_per_node, cleanup, timeout=60):
+    return run_mpiexec(sum(ranks_per_node), SCENARIO, name, timeout=timeout,
+                       mpiexec_args=cleanup + simulated_nodes(*ranks_per_node),
+                       env={"CUPYCOMM_TIMEOUT": "600",
+                            "CUPYCOMM_HEARTBEAT_TIMEOUT": str(HEARTBEAT)})
+
+
+@simulates_nodes
+@pytest.mark.parametrize("cleanup", ["hydra's cleanup", "-disable-auto-cleanup"])
+@pytest.mark.parametrize("name", list(CUPYCOMM_NAMES))
+def test_a_failure_on_another_node_ends_the_job_in_seconds_naming_it(name, cleanup):
+    ranks_per_node, named = CUPYCOMM_NAMES[name]
+    job = run_on_nodes(name, ranks_per_node, [] if cleanup == "hydra's cleanup"
+                       else no_auto_cleanup())
+    ended_quickly(job, NODE_BOUND if name.startswith("node-") else BOUND)
+    assert job.returncode != 0, job.output
+    no_rank_finished(job)
+    if cleanup == "hydra's cleanup" and name in KILLED_BY_A_SIGNAL:
+        assert "RUNNING AT node1" in job.output and "EXIT CODE: 9" in job.output, job.output
+    else:
+        assert any(text in job.output for text in named), job.output
+        if name != "raise-before-collective":   # the abort handler's end, not a wait's
+            assert COLLECTIVE in job.output, job.output
+
+
+@simulates_nodes
+@pytest.mark.parametrize("name", ["long-compute", "long-sleep"])
+def test_a_rank_slower_than_the_heartbeat_bound_is_not_taken_for_dead(name):
+    """The last rank, alone on its node, computes in Python or sleeps for longer than the
+    heartbeat bound while the others wait: its watchdog thread beats all along."""
+    job = run_on_nodes(name, (2, 1), no_auto_cleanup())
+    ended_quickly(job)
+    assert job.returncode == 0, job.output
+    assert job.output.count("finished with") == 3, job.output

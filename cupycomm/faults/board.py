@@ -21,7 +21,8 @@ from mpi4py import MPI
 from .. import _bootstrap
 
 __all__ = ["Board", "NodeBoard", "alive", "shared_directory", "RANK", "PID", "LEFT", "SEQ",
-           "BUSY", "BUSY_SEQ", "LEFT_AT", "CLOSED", "EXITING"]
+           "BUSY", "BUSY_SEQ", "LEFT_AT", "GONE", "GONE_STATE", "GONE_SEQ", "GONE_AT", "CLOSED",
+           "EXITING"]
 
 _names = itertools.count()
 
@@ -62,8 +63,8 @@ class Board:
         self.mine = self.rows[self.index]
 
 
-# The fields of a NodeBoard row.
-RANK, PID, LEFT, SEQ, BUSY, BUSY_SEQ, LEFT_AT = range(7)
+# The fields of a NodeBoard row; the GONE_* fields are used on the leader's row only.
+RANK, PID, LEFT, SEQ, BUSY, BUSY_SEQ, LEFT_AT, GONE, GONE_STATE, GONE_SEQ, GONE_AT = range(11)
 CLOSED, EXITING = 1, 2   # LEFT: why the rank left (0: it has not)
 
 
@@ -72,10 +73,11 @@ class NodeBoard(Board):
     which collective it is blocked in, and whether it has left (closed the communicator, or
     started to exit) and when. The watchdog thread writes this rank's row and reads the
     others; the rank itself writes its row once more as it leaves, so that a peer knows how
-    far it got before it went."""
+    far it got before it went. The node's leader (the first row) also relays there what its
+    heartbeats learnt of ranks on other nodes (:mod:`cupycomm.faults.heartbeat`)."""
 
     def __init__(self, node: MPI.Comm, rank: int) -> None:
-        super().__init__(node, 8)
+        super().__init__(node, 11)
         self.mine[RANK], self.mine[PID] = rank, os.getpid()
 
     def publish(self, seq: int, busy: int, busy_seq: int) -> None:
@@ -91,6 +93,20 @@ class NodeBoard(Board):
         mine = self.mine
         mine[LEFT_AT] = time.monotonic_ns()
         mine[LEFT] = EXITING if _bootstrap.exiting() else CLOSED
+
+    def relay(self, gone: int, state: int, seq: int, since_ns: int) -> None:
+        """The leader's relay of a departure on another node (gone: 0 for none), written
+        with ``gone`` last so that a reader that sees it sees the rest."""
+        mine = self.mine
+        mine[GONE] = 0
+        mine[GONE_STATE], mine[GONE_SEQ], mine[GONE_AT] = state, seq, since_ns
+        mine[GONE] = gone
+
+    def relayed(self) -> tuple:
+        """(gone, state, seq, since in ns) as the node's leader relays them."""
+        leader = self.rows[0]
+        gone = int(leader[GONE])
+        return gone, int(leader[GONE_STATE]), int(leader[GONE_SEQ]), int(leader[GONE_AT])
 
     def peers(self) -> np.ndarray:
         """A snapshot of the other rows."""

@@ -63,6 +63,7 @@ from .._collectives import BY_NAME, CALLS, POINT_TO_POINT
 from . import board as _board, stacks
 from .abort import abort_job, report_stream
 from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
+from .heartbeat import Heartbeats
 
 __all__ = ["Watched", "Tracker", "watch", "unwatch", "GRACE", "INTERVAL", "HOLD_MARGIN"]
 
@@ -83,11 +84,11 @@ class Watched(Protocol):
 class Tracker:
     """One communicator's progress, and what the watchdog needs to judge it."""
 
-    __slots__ = ("seq", "busy", "name", "rank", "size", "timeout", "board", "device",
+    __slots__ = ("seq", "busy", "name", "rank", "size", "timeout", "board", "beats", "device",
                  "_waiting", "__weakref__")
 
     def __init__(self, name: str, rank: int, size: int, timeout: float,
-                 board: Optional[NodeBoard] = None) -> None:
+                 board: Optional[NodeBoard] = None, beats: Optional[Heartbeats] = None) -> None:
         self.seq = 0
         self.busy: Optional[str] = None   # the blocking call in progress, set by the call path
         self.name = name
@@ -95,6 +96,7 @@ class Tracker:
         self.size = size
         self.timeout = timeout
         self.board = board
+        self.beats = beats   # the cross-node view, when the communicator spans nodes
         self.device: Any = None    # the NCCL backend, once there is one
         self._waiting: Optional[tuple] = None   # ((seq, busy) or "device", since when)
 
@@ -112,10 +114,13 @@ class Tracker:
 
     def leave(self) -> None:
         """The communicator is closing (call after :func:`unwatch`): its final progress goes
-        on the board, which then says how many collectives this rank issued before it left."""
+        on the board, which then says how many collectives this rank issued before it left;
+        a node leader's heartbeats say goodbye to the other nodes."""
         if self.board is not None:
             self.board.publish(self.seq, 0, 0)
             self.board.leave()
+        if self.beats is not None:
+            self.beats.close()
 
     def expired(self, label: str, timeout: float) -> None:
         """``Work.wait(timeout=)`` ran out on the host: MPI cannot cancel, so end the job."""
@@ -141,6 +146,8 @@ class Tracker:
         if self.board is not None:
             self.board.publish(seq, BY_NAME[name].code if busy is not None else 0,
                                at if busy is not None else 0)
+        if self.beats is not None:
+            self.beats.poll(now)
         waiting = True
         if busy is not None:
             waited = self._waited((at, busy), now)
@@ -175,21 +182,26 @@ class Tracker:
         return waiting
 
     def _gone_peer(self, name: str, at: int, now: float, left_counts: bool = True) -> str:
-        """A text naming a peer on this node that this rank may be waiting for in call ``at``
-        and that is gone, or '' (see the module docstring for when a peer that left counts)."""
+        """A text naming a peer, on this node or (as its heartbeats relay) on another one,
+        that this rank may be waiting for in call ``at`` and that is gone, or '' (see the
+        module docstring for when a peer that left counts)."""
+        left_counts = left_counts and name not in POINT_TO_POINT
         for row in self.board.peers():
             if row[LEFT]:
-                if (not left_counts or name in POINT_TO_POINT or row[SEQ] >= at
-                        or now - row[LEFT_AT] / 1e9 < GRACE):
-                    continue
-                how = ("closed the communicator" if row[LEFT] == CLOSED else
-                       "has exited (its program ended or called sys.exit)")
-                state = f"{how} after its collective #{row[SEQ]}"
+                state = _left(int(row[LEFT]), int(row[SEQ]), row[LEFT_AT] / 1e9, at, now,
+                              left_counts)
             elif not _board.alive(int(row[PID])):
                 state = "has died (its process ended: os._exit, a signal or a crash)"
             else:
                 continue
-            return f"rank {row[RANK]} of communicator {self.name} (pid {row[PID]}) {state}"
+            if state:
+                return f"rank {row[RANK]} of communicator {self.name} (pid {row[PID]}) {state}"
+        remote = self.beats.departure() if self.beats is not None else None
+        if remote is not None:
+            state = (_left(remote.left, remote.seq, remote.since, at, now, left_counts)
+                     if remote.left else remote.how)
+            if state:
+                return f"{remote.who} {state}"
         return ""
 
     def _waited(self, key: tuple, now: float) -> float:
@@ -231,6 +243,16 @@ class Tracker:
         if others:
             text += f"; {others} ranks on other nodes: not known here"
         return late, text
+
+
+def _left(why: int, seq: int, since: float, at: int, now: float, counts: bool) -> str:
+    """How a peer that left (``why``: CLOSED or EXITING) after its collective ``seq``, at
+    ``since``, ends a wait in collective ``at``: a text, or '' when it does not (yet)."""
+    if not counts or seq >= at or now - since < GRACE:
+        return ""
+    how = ("closed the communicator" if why == CLOSED else
+           "has exited (its program ended or called sys.exit)")
+    return f"{how} after its collective #{seq}"
 
 
 def _call(busy: str, seq: int) -> tuple:

@@ -4,10 +4,12 @@
   makes ``mpiexec -n N python -m pytest`` one session with one report.
 - :func:`run_mpiexec`: start an ``mpiexec -n N python ...`` job from a test, with a hard time
   bound; :func:`no_auto_cleanup`: the launcher's options that leave ending a failed job to
-  cupycomm.
+  cupycomm; :func:`simulated_nodes`: those that spread a job over simulated nodes.
 - :func:`release`: the end of a per-test communicator fixture (kept if the test failed).
 """
-from .launch import Launched, launch_environment, no_auto_cleanup, run_mpiexec
+from .launch import (SIMULATES_NODES, Launched, launch_environment, no_auto_cleanup,
+                     run_mpiexec, simulated_nodes)
 from .plugin import release
 
-__all__ = ["Launched", "launch_environment", "no_auto_cleanup", "run_mpiexec", "release"]
+__all__ = ["Launched", "launch_environment", "no_auto_cleanup", "run_mpiexec", "release",
+           "simulated_nodes", "SIMULATES_NODES"]

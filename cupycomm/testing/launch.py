@@ -6,7 +6,8 @@ options it needs (Open MPI's ``--oversubscribe`` past the cores). The child job 
 parent's environment without the variables that MPI launchers give their ranks, keeping the
 user's launcher configuration (:meth:`cupycomm.launchers.Launcher.environment`), so that it
 starts as a job of its own even when the test itself runs under ``mpiexec``.
-:func:`no_auto_cleanup` gives the options that leave the ending of a failed job to cupycomm.
+:func:`no_auto_cleanup` gives the options that leave the ending of a failed job to cupycomm;
+:func:`simulated_nodes`, those that spread a job's ranks over nodes that exist in name only.
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from .. import launchers
 
-__all__ = ["Launched", "run_mpiexec", "launch_environment", "no_auto_cleanup"]
+__all__ = ["Launched", "run_mpiexec", "launch_environment", "no_auto_cleanup",
+           "simulated_nodes", "SIMULATES_NODES"]
+
+#: The kinds of launcher (:attr:`cupycomm.launchers.Launcher.kind`) that can simulate nodes.
+SIMULATES_NODES = ("hydra", "intelmpi")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,3 +110,27 @@ def no_auto_cleanup(mpiexec: Optional[str] = None) -> List[str]:
         job = run_mpiexec(3, "scenario.py", timeout=60, mpiexec_args=no_auto_cleanup())
     """
     return launchers.find(mpiexec).cleanup_options
+
+
+def simulated_nodes(*ranks_per_node: int, mpiexec: Optional[str] = None) -> List[str]:
+    """The launcher's options that put ``ranks_per_node[i]`` ranks on a node named
+    ``node0``, ``node1``, ... of this machine, for a job of ``sum(ranks_per_node)`` ranks.
+
+    hydra believes the host names it is given: with its ``fork`` launcher every rank runs
+    here, but MPI's shared-memory split (local ranks, the node board) and the heartbeats
+    between nodes see several nodes. Other launchers cannot: RuntimeError.
+
+    Example::
+
+        job = run_mpiexec(4, "train.py", timeout=60, mpiexec_args=simulated_nodes(3, 1))
+    """
+    if not ranks_per_node or any(isinstance(count, bool) or not isinstance(count, int)
+                                 or count < 1 for count in ranks_per_node):
+        raise ValueError(f"simulated_nodes: ranks_per_node must be numbers of ranks >= 1, "
+                         f"got {ranks_per_node!r}")
+    launcher = launchers.find(mpiexec)
+    if launcher.kind not in SIMULATES_NODES:
+        raise RuntimeError(f"simulated_nodes: {launcher.executable} ({launcher.kind}) cannot "
+                           f"simulate nodes; MPICH's or Intel MPI's hydra can")
+    hosts = ",".join(f"node{i}:{count}" for i, count in enumerate(ranks_per_node))
+    return ["-launcher", "fork", "-hosts", hosts]

@@ -4,7 +4,12 @@
 
 The last rank misbehaves; the others enter a collective that cannot complete. Every
 scenario must end the whole job quickly, non-zero, saying which rank and why, except
-hold-gil-idle: a correct program whose long GIL-holding call must not be ended.
+hold-gil-idle, long-compute and long-sleep: correct programs whose slow rank must not be
+taken for a hung or dead one.
+
+Run on simulated nodes (cupycomm.testing.simulated_nodes) with a long CUPYCOMM_TIMEOUT, the
+last rank is on the last node, and the heartbeats between nodes must end the job: the
+node-* scenarios SIGKILL or SIGSTOP every rank of that node.
 
 The hold-gil scenarios shrink the watchdog's GIL margin (10 s at least otherwise) to 1 s, so
 that they take seconds: the mechanism is the same.
@@ -21,12 +26,21 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
+from cupycomm import _env
 from cupycomm.faults import watchdog as _watchdog
 
 
 def hold_the_gil(seconds: int) -> None:
     """A C call that keeps the GIL: no other Python thread of this process can run."""
     ctypes.PyDLL(None).sleep(seconds)
+
+
+def compute_in_python(seconds: float) -> None:
+    """Pure Python work: it holds the GIL, but only for the interpreter's switch interval at
+    a time, so the watchdog thread still runs."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(i * i for i in range(1000))
 
 
 def hold_the_gil_inside_a_collective(comm: cupycomm.Communicator, culprit: bool) -> None:
@@ -45,6 +59,20 @@ def hold_the_gil_inside_a_collective(comm: cupycomm.Communicator, culprit: bool)
 
     threading.Thread(target=take_the_gil, daemon=True).start()
     comm.barrier()
+
+
+def signal_the_culprits_node(comm: cupycomm.Communicator, signum: int) -> None:
+    """Every rank on the last rank's node gets ``signum`` at once: SIGKILL, as when a node
+    fails; SIGSTOP, as when it hangs or loses the network. The node is the launcher's
+    (hydra's PMI_HOSTNAME, set on simulated nodes). Hydra's proxy there is spared: on a real
+    node that fails its connection to mpiexec is not closed cleanly either."""
+    node = os.environ.get("PMI_HOSTNAME", "")
+    ranks = comm.all_gather_object((node, os.getpid()))
+    doomed = [pid for host, pid in ranks if host == ranks[-1][0]]
+    if node == ranks[-1][0] and os.getpid() == doomed[-1]:
+        for pid in doomed:
+            os.kill(pid, signum)
+    time.sleep(0.5)
 
 
 def device_peer_dies() -> None:
@@ -69,7 +97,9 @@ def main(name: str) -> None:
     debug = name.startswith("debug-")
     if name.startswith("hold-gil"):
         _watchdog.HOLD_MARGIN = (1.0, 1.0)
-    comm = cupycomm.init(timeout=3.0, debug=debug)
+    # A multi-node run sets CUPYCOMM_TIMEOUT long: only the heartbeats can end it in time.
+    comm = cupycomm.init(timeout=None if os.environ.get("CUPYCOMM_TIMEOUT") else 3.0,
+                         debug=debug)
     culprit = comm.rank == comm.size - 1
     x = np.ones(4)
     comm.all_reduce(x)                       # everyone is up: the fault comes after this
@@ -80,10 +110,25 @@ def main(name: str) -> None:
         raise RuntimeError("deliberate failure with a receive in flight")
     if name == "sys-exit-0" and culprit:
         sys.exit(0)
+    if name == "exit-3" and culprit:
+        sys.exit(3)
     if name == "os-exit-0" and culprit:
         os._exit(0)
     if name == "sigkill" and culprit:
         os.kill(os.getpid(), signal.SIGKILL)
+    if name == "os-exit-0-beside-a-busy-leader":   # on 1 + 2 or 2 + 2 ranks: the rank
+        # before the culprit leads their node
+        if culprit:
+            os._exit(0)
+        if comm.rank == comm.size - 2:
+            time.sleep(30)   # not in a collective: its watchdog relays, it does not judge
+    if name in ("long-compute", "long-sleep") and culprit:   # longer than the heartbeat bound
+        seconds = _env.read("CUPYCOMM_HEARTBEAT_TIMEOUT") + 1
+        compute_in_python(seconds) if name == "long-compute" else time.sleep(seconds)
+    if name == "node-sigkill":
+        signal_the_culprits_node(comm, signal.SIGKILL)
+    if name == "node-sigstop":
+        signal_the_culprits_node(comm, signal.SIGSTOP)
     if name == "never-arrives" and culprit:
         time.sleep(60)
     if name == "hold-gil":

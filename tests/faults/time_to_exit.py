@@ -1,19 +1,23 @@
 """How long each fault scenario takes to end the job: the worst of several runs.
 
     python tests/faults/time_to_exit.py --runs 5 [--n 3]
+    python tests/faults/time_to_exit.py --runs 5 --nodes
 
 Prints one line per scenario with the exit statuses seen and the worst and median time:
 the user-program faults of scenario.py, then the plugin's cases (pytest under mpiexec on the
 scratch suites of tests/plugin_cases). Every job runs as the README recommends (MPICH's
 ``-disable-auto-cleanup``), then os-exit-0 and sigkill once more with MPICH's own cleanup.
 The fault suite (tests/test_faults.py, tests/test_plugin.py) asserts the bounds; this
-records the figures.
+records the figures. With ``--nodes``: the faults of a rank or a whole node on another
+(simulated) node while the others wait in all_reduce, under hydra's default cleanup and
+with ``-disable-auto-cleanup``, with the default collective timeout (600 s: only the
+heartbeats, at their default bound, can end these jobs in time).
 """
 import argparse
 import statistics
 from pathlib import Path
 
-from cupycomm.testing import no_auto_cleanup, run_mpiexec
+from cupycomm.testing import no_auto_cleanup, run_mpiexec, simulated_nodes
 
 SCENARIOS = ["raise-before-collective", "raise-with-receive-pending", "sys-exit-0", "os-exit-0",
              "sigkill", "never-arrives", "hold-gil", "hold-gil-idle", "debug-mismatch-count",
@@ -22,6 +26,11 @@ SCENARIOS = ["raise-before-collective", "raise-with-receive-pending", "sys-exit-
 SCRIPT = str(Path(__file__).resolve().parent / "scenario.py")
 CASES = Path(__file__).resolve().parent.parent / "plugin_cases"
 PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-q"]
+NODE_SCENARIOS = {   # name: ranks per node; the last node's ranks fail
+    "os-exit-0": (3, 1), "sys-exit-0": (3, 1), "exit-3": (3, 1), "sigkill": (3, 1),
+    "raise-before-collective": (3, 1), "os-exit-0-beside-a-busy-leader": (2, 2),
+    "node-sigkill": (2, 2), "node-sigstop": (2, 2), "long-compute": (3, 1),
+    "long-sleep": (3, 1)}
 PLUGIN_CASES = {   # name: the pytest arguments, run in CASES
     "plugin: a test fails on one rank": ["case_outcomes.py", "-k", "fails_on_the_last_rank"],
     "plugin: ranks disagree on a skip": ["case_outcomes.py", "-k", "skip"],
@@ -37,8 +46,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--n", type=int, default=3,
                         help="ranks (the hold-gil scenarios always run on 2)")
+    parser.add_argument("--nodes", action="store_true",
+                        help="the faults on another simulated node instead")
+    parser.add_argument("--only", default="",
+                        help="with --nodes: these scenarios only (comma-separated)")
     args = parser.parse_args()
     options = no_auto_cleanup()
+    if args.nodes:
+        only = [name for name in args.only.split(",") if name]
+        unknown = sorted(set(only) - set(NODE_SCENARIOS))
+        if unknown:
+            parser.error(f"--only: no such scenario {unknown}; choose from {list(NODE_SCENARIOS)}")
+        return across_nodes(args.runs, options, only or list(NODE_SCENARIOS))
     print(f"{'scenario':40s} {'exit statuses':14s} {'worst s':>8s} {'median s':>9s}")
     for name in SCENARIOS:
         n = 2 if name.startswith("hold-gil") else args.n
@@ -52,12 +71,29 @@ def main() -> None:
                                   mpiexec_args=options) for _ in range(args.runs)])
 
 
-def report(name: str, jobs: list) -> None:
+def across_nodes(runs: int, options: list, names: list) -> None:
+    print(f"{'scenario (ranks per node), launcher cleanup':56s} {'exit statuses':14s} "
+          f"{'worst s':>8s} {'median s':>9s}")
+    for name in names:
+        ranks_per_node = NODE_SCENARIOS[name]
+        for cleanup, extra in (("hydra's", []), ("-disable-auto-cleanup", options)):
+            label = f"{name} {ranks_per_node}, {cleanup}"
+            report(label, [run_mpiexec(sum(ranks_per_node), SCRIPT, name, timeout=60,
+                                       mpiexec_args=extra + simulated_nodes(*ranks_per_node),
+                                       env={"CUPYCOMM_TIMEOUT": "600"})
+                           for _ in range(runs)], width=56, names="node1")
+
+
+def report(name: str, jobs: list, width: int = 40, names: str = "") -> None:
+    """One line: the statuses, worst and median times, hangs, and how many runs printed
+    ``names`` (the failed node's name, in cupycomm's message or hydra's)."""
     codes = sorted({job.returncode for job in jobs})
     times = [job.elapsed for job in jobs]
     hung = " (HUNG)" if any(job.timed_out for job in jobs) else ""
-    print(f"{name:40s} {str(codes):14s} {max(times):8.2f} {statistics.median(times):9.2f}{hung}",
-          flush=True)
+    named = (f" named {sum(names in job.output for job in jobs)}/{len(jobs)}" if names
+             else "")
+    print(f"{name:{width}s} {str(codes):14s} {max(times):8.2f} "
+          f"{statistics.median(times):9.2f}{named}{hung}", flush=True)
 
 
 if __name__ == "__main__":
