@@ -1,0 +1,189 @@
+"""Replay recorded call shapes on the real CuPy, without a GPU.
+
+CuPy's compiled functions check the number and the types of their arguments before they touch
+a device: ``NcclCommunicator.__new__(NcclCommunicator).allReduce(...)`` with 5 arguments raises
+TypeError, with 6 NcclError. So each recorded shape is called on the real CuPy, on an object
+that owns no device resource (a communicator that was never initialised, an ExternalStream, an
+Event without a handle), with the recorded arguments. A shape conforms when the call fails in
+CUDA or NCCL (no GPU here) or succeeds; it is a mismatch when CuPy lacks the name, or the call
+fails in Python's argument handling (TypeError, AttributeError, ValueError, OverflowError...).
+
+    python -m tests.conformance.replay shapes/        # the files CUPYCOMM_RECORD_CALL_SHAPES wrote
+
+prints ``N call shapes replayed on CuPy X: M mismatches`` (with each mismatch) and exits 1 on
+any mismatch. It needs only CuPy (it runs in a venv without cupycomm or MPI).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import types
+import warnings
+from typing import Any, Callable, List, Optional
+
+try:
+    from . import shapes
+except ImportError:   # run as a file
+    import shapes  # type: ignore[no-redef]
+
+# The errors of a call that reached CUDA or NCCL: by class name, as CuPy's live in several
+# modules (cupy_backends.cuda.api.runtime, .driver, cupy_backends.cuda.libs.nccl...).
+DEVICE_ERRORS = ("CUDARuntimeError", "CUDADriverError", "NcclError", "CompileException",
+                 "OutOfMemoryError")
+_HANDLE = 0x1000   # any non-null handle or address: the call fails before using it
+
+
+def lookup(name: str) -> Any:
+    """The CuPy object named ``name`` (``cupy.cuda.nccl.NcclCommunicator.allReduce``), reached
+    by attribute from ``cupy`` as cupycomm reaches it; a submodule that is no attribute until
+    imported (``cupy.cuda.nccl``) is imported. (Importing every prefix would be wrong:
+    ``import cupy.cuda.runtime`` replaces the compiled module with a Python one that lacks its
+    private names.)"""
+    parts = name.split(".")
+    found = importlib.import_module(parts[0])
+    for depth, part in enumerate(parts[1:], start=2):
+        if not hasattr(found, part) and isinstance(found, types.ModuleType):
+            try:
+                importlib.import_module(".".join(parts[:depth]))
+            except ImportError:
+                pass
+        if not hasattr(found, part):
+            raise LookupError(f"CuPy has no {name} ({part!r} is missing)")
+        found = getattr(found, part)
+    return found
+
+
+def instance(class_name: str) -> Any:
+    """An object of CuPy's class ``class_name`` that owns no device resource."""
+    import cupy
+    cuda = cupy.cuda
+    if class_name == "cupy.cuda.Stream":
+        with warnings.catch_warnings():   # CuPy 14 deprecates it; 13 has no other way
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return cuda.ExternalStream(_HANDLE, 0)
+    if class_name == "cupy.cuda.Event":
+        event = cuda.Event.__new__(cuda.Event)
+        event.ptr = 0
+        return event
+    if class_name == "cupy.cuda.Device":
+        return cuda.Device(0)
+    if class_name == "cupy.ndarray":   # 4 float32 at an address no one dereferences
+        memory = cuda.UnownedMemory(_HANDLE, 16, None, 0)
+        return cupy.ndarray((4,), "f", memptr=cuda.MemoryPointer(memory, 0))
+    cls = lookup(class_name)
+    return cls.__new__(cls)
+
+
+def argument(descriptor: list, value: Any) -> Any:
+    """A value of the recorded type (the recorded value where there is one)."""
+    kind = descriptor[0]
+    if kind == "enum" or kind == "bool":
+        return descriptor[1]
+    if value is not None:
+        return value
+    if kind in ("int", "int64", "uint64", "negative", "int64-negative"):
+        return {"int": 1, "int64": 2 ** 40, "uint64": 2 ** 63, "negative": -1,
+                "int64-negative": -2 ** 40}[kind]
+    if kind == "None":
+        return None
+    if kind in ("float", "str"):
+        return {"float": 1.0, "str": "x"}[kind]
+    if kind in ("bytes", "bytearray"):
+        return bytes(descriptor[1]) if kind == "bytes" else bytearray(descriptor[1])
+    if kind in ("tuple", "list"):
+        items = [argument(item, None) for item in descriptor[1]]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dtype":
+        import numpy
+        return numpy.dtype(descriptor[1])
+    if kind == "numpy.ndarray":
+        import numpy
+        return numpy.zeros(4, numpy.uint8)
+    if kind == "callable":
+        return lambda *args: None
+    if kind == "object":
+        return instance(descriptor[1])
+    if kind == "from":   # a value CuPy made (NCCL's unique id), passed back unchanged
+        return lookup(descriptor[1])()
+    raise LookupError(f"cannot make an argument of type {descriptor}")
+
+
+def _call(shape: dict) -> Callable[[], Any]:
+    """The call a shape stands for, ready to run on the real CuPy."""
+    name, kind = shape["name"], shape["kind"]
+    values = shape.get("values") or [None] * len(shape["args"])
+    args = [argument(d, v) for d, v in zip(shape["args"], values)]
+    kwargs = {k: argument(d, None) for k, d in shape["kwargs"].items()}
+    target = lookup(name)
+    owner_name, _, member = name.rpartition(".")
+    owner = lookup(owner_name) if owner_name else None
+    if isinstance(owner, type):   # a method, property or context-manager method of a class
+        receiver = instance(owner_name)
+        if kind == "attribute":
+            return lambda: getattr(receiver, member)
+        if member == "__exit__":   # after a successful __enter__ only: replayed with it
+            return lambda: _enter_exit(receiver)
+        return lambda: getattr(receiver, member)(*args, **kwargs)
+    return lambda: target(*args, **kwargs)
+
+
+def _enter_exit(receiver: Any) -> None:
+    with receiver:
+        pass
+
+
+def replay(shape: dict) -> Optional[str]:
+    """None if the shape conforms (the call failed in CUDA/NCCL, or succeeded), else why not."""
+    # A constructor that failed in CUDA leaves an object whose __del__ then fails too.
+    hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+    try:
+        return _outcome(shape)
+    finally:
+        sys.unraisablehook = hook
+
+
+def _outcome(shape: dict) -> Optional[str]:
+    try:
+        call = _call(shape)
+    except Exception as error:   # a missing name or an argument CuPy cannot take
+        return f"{type(error).__name__}: {error}"
+    try:
+        call()
+    except Exception as error:
+        if type(error).__name__ in DEVICE_ERRORS:
+            return None
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def describe(shape: dict) -> str:
+    """``name(int, int64, enum=7)`` for a message."""
+    def one(descriptor: list) -> str:
+        return descriptor[0] if len(descriptor) == 1 else f"{descriptor[0]}={descriptor[1]}"
+    args = [one(d) for d in shape["args"]] + [f"{k}: {one(d)}" for k, d in shape["kwargs"].items()]
+    return f"{shape['name']}({', '.join(args)})" if shape["kind"] == "call" else shape["name"]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.conformance.replay",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", help="shape files, or directories of them")
+    options = parser.parse_args(argv)
+    import cupy
+    import cupy.cuda.nccl  # noqa: F401  (a submodule `import cupy` does not load)
+    recorded = shapes.load(options.paths)
+    mismatches = [(shape, why) for shape in recorded
+                  for why in [replay(shape)] if why is not None]
+    for shape, why in mismatches:
+        print(f"MISMATCH {describe(shape)}: {why}")
+    print(f"{len(recorded)} call shapes replayed on CuPy {cupy.__version__}: "
+          f"{len(mismatches)} mismatches")
+    if not recorded:
+        print("no call shapes recorded: was CUPYCOMM_RECORD_CALL_SHAPES set?", file=sys.stderr)
+        return 1
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
