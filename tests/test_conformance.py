@@ -61,6 +61,35 @@ def test_stand_in_constants_are_cupys():
     assert "memcpyDefault" in compared and "memcpyHostToDevice" in compared
 
 
+def test_peer_access_already_enabled_is_cudas_status():
+    from cupycomm.devices import copies
+    assert runtime.CUDARuntimeError(copies.PEER_ACCESS_ALREADY_ENABLED).args[0].startswith(
+        "cudaErrorPeerAccessAlreadyEnabled:")
+
+
+def test_peer_copies_tolerate_access_enabled_before(monkeypatch):
+    """Another library (CuPy's own peer copies) may have enabled it first: CUDA then says
+    cudaErrorPeerAccessAlreadyEnabled, which is no error here."""
+    from cupycomm import devices
+    from cupycomm.devices import copies
+    monkeypatch.setattr(nccl_standin, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(nccl_standin, "peer_access", {(1, 0)})
+    monkeypatch.setattr(copies, "_kept", {})   # this process has enabled no access yet
+    with nccl_standin.Device(0):
+        x = nccl_standin.asarray(np.arange(4.0))
+    parts = devices.scatter(x, [0, 1], device_module=nccl_standin)   # 1 reads 0's memory
+    assert [nccl_standin.asnumpy(part).tolist() for part in parts] == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_a_private_runtime_name_is_a_mismatch():
+    """``import cupy.cuda.runtime`` anywhere rebinds cupy.cuda.runtime to a Python module of
+    the public names: a private one cupycomm reached through it would be gone."""
+    assert replay.replay(shape("cupy.cuda.runtime.deviceEnablePeerAccess", ["int"])) is None
+    why = replay.replay(shape("cupy.cuda.runtime._deviceEnsurePeerAccess", ["int"]))
+    assert why is not None and "import cupy.cuda.runtime" in why
+    assert "cupy_backends" in type(cupy.cuda.runtime).__repr__(cupy.cuda.runtime)   # untouched
+
+
 def test_stand_in_reads_nccl_datatypes_and_ops_as_nccl_defines_them():
     for name, dtype in [("INT8", np.int8), ("UINT8", np.uint8), ("INT32", np.int32),
                         ("UINT32", np.uint32), ("INT64", np.int64), ("UINT64", np.uint64),
@@ -187,3 +216,17 @@ def test_recorded_files_merge_across_ranks(tmp_path):
         recorder.write(str(tmp_path / f"rank{rank}"))
     merged = shapes.load(sorted(str(path) for path in tmp_path.iterdir()))
     assert [s["args"][2] for s in merged] == [["int"], ["int64"]]
+
+
+def test_split_works_without_comm_split_as_on_cupy_13(monkeypatch):
+    """What replay.GUARDED says of commSplit, which CuPy 13 lacks: cupycomm looks first."""
+    from arrays import STANDIN
+    monkeypatch.delattr(nccl_standin.NcclCommunicator, "commSplit")
+    with STANDIN.comm() as comm:
+        comm.init_device()
+        half = comm.split(comm.rank % 2)
+        assert half._nccl is None   # made from a new unique id on first use instead
+        total = half.all_reduce(nccl_standin.asarray(np.array([1], np.int64)))
+        assert nccl_standin.asnumpy(total).tolist() == [half.size]
+        half.close()
+    assert "cupy.cuda.nccl.NcclCommunicator.commSplit" in replay.GUARDED

@@ -16,7 +16,9 @@ any mismatch. It needs only CuPy (it runs in a venv without cupycomm or MPI).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import importlib.util
 import sys
 import types
 import warnings
@@ -31,6 +33,10 @@ except ImportError:   # run as a file
 # modules (cupy_backends.cuda.api.runtime, .driver, cupy_backends.cuda.libs.nccl...).
 DEVICE_ERRORS = ("CUDARuntimeError", "CUDADriverError", "NcclError", "CompileException",
                  "OutOfMemoryError")
+# Names some CuPy versions lack, which cupycomm looks for before it calls them.
+GUARDED = {"cupy.cuda.nccl.NcclCommunicator.commSplit":
+           "CuPy < 14 has no commSplit; NcclBackend.split checks hasattr(comm, 'commSplit') "
+           "and then makes a new unique id"}
 _HANDLE = 0x1000   # any non-null handle or address: the call fails before using it
 
 
@@ -52,6 +58,15 @@ def lookup(name: str) -> Any:
             raise LookupError(f"CuPy has no {name} ({part!r} is missing)")
         found = getattr(found, part)
     return found
+
+
+def absent(name: str) -> bool:
+    """Whether this CuPy lacks ``name``."""
+    try:
+        lookup(name)
+    except LookupError:
+        return True
+    return False
 
 
 def instance(class_name: str) -> Any:
@@ -143,7 +158,33 @@ def replay(shape: dict) -> Optional[str]:
         sys.unraisablehook = hook
 
 
+@functools.lru_cache(maxsize=None)
+def python_runtime_module() -> Optional[types.ModuleType]:
+    """What ``import cupy.cuda.runtime`` anywhere in a program makes ``cupy.cuda.runtime``: a
+    Python module re-exporting the compiled one's public names only (loaded here aside, so as
+    not to rebind it in this process); None where this CuPy has no such module."""
+    spec = importlib.util.find_spec(".runtime", "cupy.cuda")
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_RUNTIME = "cupy.cuda.runtime."
+
+
 def _outcome(shape: dict) -> Optional[str]:
+    name = shape["name"]
+    if name in GUARDED and absent(name):
+        return None
+    if name.startswith(_RUNTIME):
+        rebound = python_runtime_module()
+        function = name[len(_RUNTIME):].split(".")[0]
+        if rebound is not None and not hasattr(rebound, function):
+            return (f"LookupError: cupy.cuda.runtime.{function} is gone once a program runs "
+                    f"`import cupy.cuda.runtime` (which binds a Python module of the public "
+                    f"names only)")
     try:
         call = _call(shape)
     except Exception as error:   # a missing name or an argument CuPy cannot take
@@ -177,6 +218,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                   for why in [replay(shape)] if why is not None]
     for shape, why in mismatches:
         print(f"MISMATCH {describe(shape)}: {why}")
+    guarded = sorted({s["name"] for s in recorded if s["name"] in GUARDED and absent(s["name"])})
+    for name in guarded:
+        print(f"absent, and looked for first: {name} ({GUARDED[name]})")
     print(f"{len(recorded)} call shapes replayed on CuPy {cupy.__version__}: "
           f"{len(mismatches)} mismatches")
     if not recorded:

@@ -157,10 +157,13 @@ def _called_from_cupycomm() -> bool:
 
 def _recording(function: Callable, name: str, kind: str, recorder: Recorder,
                bound: bool) -> Callable:
+    # __exit__'s arguments are the interpreter's (the exception leaving the with block)
+    exit_ = name.endswith(".__exit__")
+
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _called_from_cupycomm():
-            recorder.record(name, kind, args[1:] if bound else args, kwargs)
+            recorder.record(name, kind, () if exit_ else args[int(bound):], kwargs)
         return function(*args, **kwargs)
     return wrapper
 
@@ -210,14 +213,15 @@ def install(standin: types.ModuleType, recorder: Optional[Recorder] = None) -> R
     """
     recorder = recorder or Recorder()
     namespaces = _namespaces(standin)
-    classes: Dict[type, str] = {}
+    classes: Dict[type, str] = {cls: CLASS_ALIASES[cls.__name__] for cls in vars(standin).values()
+                                if isinstance(cls, type) and cls.__name__ in CLASS_ALIASES}
     for path, namespace in namespaces:   # deepest first: cupy.cuda.Stream, not cupy.Stream
         for attribute, value in vars(namespace).items():
             if isinstance(value, type) and value.__module__ == standin.__name__:
                 classes.setdefault(value, f"{path}.{attribute}")
-    for cls in vars(standin).values():   # classes that only calls return, and internal ones
+    for cls in vars(standin).values():   # the stand-in's own: a call to one is a mismatch
         if isinstance(cls, type) and cls.__module__ == standin.__name__ and cls not in classes:
-            classes[cls] = CLASS_ALIASES.get(cls.__name__, f"cupy.<stand-in>.{cls.__name__}")
+            classes[cls] = f"cupy.<stand-in>.{cls.__name__}"
     recorder.class_names.update(classes)
     for cls, name in classes.items():
         if not issubclass(cls, BaseException):
