@@ -36,7 +36,10 @@ DEVICE_ERRORS = ("CUDARuntimeError", "CUDADriverError", "NcclError", "CompileExc
 # Names some CuPy versions lack, which cupycomm looks for before it calls them.
 GUARDED = {"cupy.cuda.nccl.NcclCommunicator.commSplit":
            "CuPy < 14 has no commSplit; NcclBackend.split checks hasattr(comm, 'commSplit') "
-           "and then makes a new unique id"}
+           "and then makes a new unique id",
+           "cupy.cuda.runtime.threadExchangeStreamCaptureMode":
+           "CuPy does not wrap it; cupycomm looks it up with getattr and otherwise calls the "
+           "driver's cuThreadExchangeStreamCaptureMode (not replayed here)"}
 _HANDLE = 0x1000   # any non-null handle or address: the call fails before using it
 
 
@@ -178,7 +181,7 @@ def _outcome(shape: dict) -> Optional[str]:
     name = shape["name"]
     if name in GUARDED and absent(name):
         return None
-    if name.startswith(_RUNTIME):
+    if name.startswith(_RUNTIME) and not absent(name):
         rebound = python_runtime_module()
         function = name[len(_RUNTIME):].split(".")[0]
         if rebound is not None and not hasattr(rebound, function):

@@ -47,7 +47,7 @@ PRODUCED = {("cupy.cuda.nccl.NcclCommunicator", 1): ("cupy.cuda.nccl.get_unique_
 
 # Stand-in classes reachable from no namespace of the stand-in: the CuPy class they stand for.
 CLASS_ALIASES = {"LocalNcclCommunicator": "cupy.cuda.nccl.NcclCommunicator",
-                 "_Pointer": "cupy.cuda.MemoryPointer"}
+                 "_Pointer": "cupy.cuda.MemoryPointer", "_NullStream": "cupy.cuda.Stream"}
 
 _INT32 = 2 ** 31
 _INT64 = 2 ** 63
@@ -179,10 +179,13 @@ def _namespaces(standin: types.ModuleType) -> List[tuple]:
             continue
         found.append((path, namespace))
         for attribute, value in list(vars(namespace).items()):
-            owned = (isinstance(value, types.SimpleNamespace) or isinstance(value, types.ModuleType)
-                     and value.__name__.startswith(standin.__name__ + "."))
-            if owned and not attribute.startswith("__"):
+            if attribute.startswith("__"):
+                continue
+            if isinstance(value, types.SimpleNamespace):
                 todo.append((f"{path}.{attribute}", value))
+            elif (isinstance(value, types.ModuleType)   # named as CuPy's, wherever it is kept
+                  and value.__name__.startswith(standin.__name__ + ".")):
+                todo.append(("cupy" + value.__name__[len(standin.__name__):], value))
     return sorted(found, key=lambda item: -item[0].count("."))
 
 
