@@ -1,6 +1,7 @@
 """Conformance with the real CuPy (installed, no GPU): the constants cupycomm and the stand-in
 use equal CuPy's, and the call-shape recorder and replay (tests/conformance) find what they
 must: a call with the wrong number or type of arguments is a mismatch."""
+import importlib
 import json
 import types
 
@@ -49,11 +50,17 @@ def test_cupycomms_nccl_constants_are_cupys():
         assert getattr(_dtypes, name) == getattr(nccl, name), name
 
 
+def test_capture_mode_cupycomm_sets_is_cudas_relaxed():
+    from cupycomm.backends import nccl as backend
+    assert backend._RELAXED == runtime.streamCaptureModeRelaxed
+
+
 def test_stand_in_constants_are_cupys():
     """Every number the stand-in's cuda.runtime and cuda.nccl publish (memcpy kinds, stream and
     capture flags...) is CuPy's: the recorded shapes carry them as they are."""
     compared = []
-    for ours, theirs in [(nccl_standin.cuda.runtime, runtime), (nccl_standin.cuda.nccl, nccl)]:
+    standin_nccl = importlib.import_module("nccl_standin.cuda.nccl")
+    for ours, theirs in [(nccl_standin.cuda.runtime, runtime), (standin_nccl, nccl)]:
         for name, value in vars(ours).items():
             if isinstance(value, int) and not isinstance(value, bool):
                 assert value == getattr(theirs, name), name

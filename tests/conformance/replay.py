@@ -118,6 +118,9 @@ def argument(descriptor: list, value: Any) -> Any:
     if kind == "numpy.ndarray":
         import numpy
         return numpy.zeros(4, numpy.uint8)
+    if kind == "cuda_array_interface":   # 4 float32 of device memory, in another library
+        return types.SimpleNamespace(__cuda_array_interface__={
+            "shape": (4,), "typestr": "<f4", "data": (_HANDLE, False), "version": 3})
     if kind == "callable":
         return lambda *args: None
     if kind == "object":

@@ -23,6 +23,7 @@ CUPYCOMM_RECORD_CALL_SHAPES=$shapes timeout 600 \
     mpiexec ${launcher[@]+"${launcher[@]}"} -n 2 python -m pytest tests -q -p no:cacheprovider \
     -k "standin or device or prefetch or graph or foreign" "$@"
 
+echo "  (recorded in $SECONDS s)"
 status=0
 python -m tests.conformance.replay "$shapes" || status=$?
 
@@ -32,6 +33,8 @@ if ! "$old/bin/python" -c 'import cupy; assert cupy.__version__.startswith("13.6
     echo "+ making $old (CuPy 13.6)"
     python3 -m venv --clear "$old"
     "$old/bin/pip" install -q 'cupy-cuda12x==13.6.*' nvidia-nccl-cu12
+    echo "  (made in $SECONDS s since the start)"
 fi
 "$old/bin/python" -m tests.conformance.replay "$shapes" || status=$?
+echo "  (conformance: $SECONDS s in all)"
 exit "$status"

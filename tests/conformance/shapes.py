@@ -86,6 +86,8 @@ def describe(value: Any, class_names: Dict[type, str], enum: bool = False) -> li
         return ["dtype", numpy.dtype(value).str]
     if cls is numpy.ndarray:
         return ["numpy.ndarray"]
+    if hasattr(value, "__cuda_array_interface__"):   # torch, numba... arrays, seen by CuPy
+        return ["cuda_array_interface"]
     if callable(value):
         return ["callable"]
     return ["other", f"{cls.__module__}.{cls.__qualname__}"]
