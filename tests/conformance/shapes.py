@@ -30,7 +30,7 @@ import numpy
 
 ENVIRONMENT_VARIABLE = "CUPYCOMM_RECORD_CALL_SHAPES"
 
-# Arguments whose value is part of the shape: (qualified name, position or keyword) -> enum.
+# Arguments whose value is part of the shape (enums): qualified name -> positions and keywords.
 _NCCL_TYPED = {"allReduce": (3, 4), "reduce": (3, 4), "reduceScatter": (3, 4), "bcast": (2,),
                "broadcast": (3,), "allGather": (3,), "send": (2,), "recv": (2,)}
 ENUMS: Dict[str, tuple] = {f"cupy.cuda.nccl.NcclCommunicator.{method}": positions
@@ -62,6 +62,8 @@ def describe(value: Any, class_names: Dict[type, str], enum: bool = False) -> li
     """
     if isinstance(value, bool):
         return ["bool", value]
+    if isinstance(value, numpy.integer):
+        return ["numpy-int", numpy.dtype(type(value)).str]   # CuPy's C ints take it too
     if isinstance(value, int):
         if enum:
             return ["enum", int(value)]
@@ -127,7 +129,8 @@ class Recorder:
 
 def _plain(value: Any) -> Any:
     """An int argument's value (what a replay passes); None for anything else."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return int(value) if isinstance(value, (int, numpy.integer)) and not isinstance(
+        value, bool) else None
 
 
 def _order(shape: dict) -> str:
