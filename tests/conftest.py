@@ -1,8 +1,24 @@
-"""Fixtures shared by the suite: the array library of a test and a fresh communicator for it."""
+"""Fixtures shared by the suite: the array library of a test and a fresh communicator for it.
+
+With ``CUPYCOMM_RECORD_CALL_SHAPES=<directory>``, every call cupycomm makes on the stand-in is
+recorded as a call shape, written there when the session ends (see tests/conformance).
+"""
+import os
+
 import pytest
 
+import nccl_standin
 from arrays import STANDIN, lib_params
+from conformance import shapes
 from cupycomm.testing import release
+
+_SHAPES_DIRECTORY = os.environ.get(shapes.ENVIRONMENT_VARIABLE)
+_RECORDER = shapes.install(nccl_standin) if _SHAPES_DIRECTORY else None
+
+
+def pytest_sessionfinish(session):
+    if _RECORDER is not None:
+        _RECORDER.write(_SHAPES_DIRECTORY)
 
 
 @pytest.fixture(params=lib_params())

@@ -1224,3 +1224,15 @@ for _name in ("memcpyAsync", "memcpy2DAsync", "memcpyHostToHost", "memcpyHostToD
               "streamCaptureModeThreadLocal", "streamCaptureModeRelaxed",
               "threadExchangeStreamCaptureMode"):
     setattr(runtime, _name, globals()[_name])
+
+
+def deviceEnablePeerAccess(peerDevice: int) -> None:
+    """CUDA refuses a second enabling: cudaErrorPeerAccessAlreadyEnabled (status 704)."""
+    if (Device.current_id(), peerDevice) in peer_access:
+        error = CUDARuntimeError("stand-in: cudaErrorPeerAccessAlreadyEnabled")
+        error.status = 704
+        raise error
+    _deviceEnsurePeerAccess(peerDevice)
+
+
+runtime.deviceEnablePeerAccess = deviceEnablePeerAccess

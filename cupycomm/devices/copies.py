@@ -118,14 +118,22 @@ def _memcpy(runtime: Any, c: Copy, stream: Any) -> None:
         runtime.memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream.ptr)
 
 
+PEER_ACCESS_ALREADY_ENABLED = 704   # cudaErrorPeerAccessAlreadyEnabled (CUDA's driver_types.h)
+
+
 def _peer_access(lib: Lib, device: int, peer: int) -> bool:
     """Let ``device`` reach ``peer``'s memory directly where the hardware can (otherwise CUDA
-    stages peer copies through the host). CuPy's own helper, which its peer copies use,
-    tolerates access that something else enabled first."""
+    stages peer copies through the host), tolerating access that something else enabled
+    first. (Not with CuPy's private ``runtime._deviceEnsurePeerAccess``: once any module runs
+    ``import cupy.cuda.runtime``, ``cupy.cuda.runtime`` is a Python module of public names.)"""
     runtime = lib.xp.cuda.runtime
     if runtime.deviceCanAccessPeer(device, peer):
         with lib.xp.cuda.Device(device):
-            runtime._deviceEnsurePeerAccess(peer)
+            try:
+                runtime.deviceEnablePeerAccess(peer)
+            except runtime.CUDARuntimeError as error:
+                if error.status != PEER_ACCESS_ALREADY_ENABLED:
+                    raise
     return True
 
 
