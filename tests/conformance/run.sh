@@ -10,6 +10,8 @@
 #
 #   bash tests/conformance/run.sh     # from a fresh clone too: uses (or makes) .venv as
 #                                     # tests/run.sh does, unless a venv is active
+#   RECORDED=dir bash tests/conformance/run.sh   # replay shapes already recorded in dir (CI
+#                                     # records them during the whole suite, saving a pass)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -26,13 +28,17 @@ if ! python -c 'import cupy, cupycomm, pytest' 2>/dev/null; then
     python -m pip install -q -e ".[$extras]"
 fi
 
-shapes=$(mktemp -d "${TMPDIR:-/tmp}/cupycomm-shapes.XXXXXX")
-trap 'rm -rf "$shapes"' EXIT
-eval "launcher=($(python -m cupycomm.launchers -n 2 --leave-cleanup-to-cupycomm))"
-echo "+ recording call shapes: ${launcher[*]} python -m pytest (the device tests)"
-CUPYCOMM_RECORD_CALL_SHAPES=$shapes timeout 600 "${launcher[@]}" python -m pytest tests -q \
-    --color=no -p no:cacheprovider -k "standin or device or prefetch or graph or foreign" "$@"
-echo "  (recorded in $SECONDS s)"
+if [ -n "${RECORDED:-}" ]; then
+    shapes=$RECORDED
+else
+    shapes=$(mktemp -d "${TMPDIR:-/tmp}/cupycomm-shapes.XXXXXX")
+    trap 'rm -rf "$shapes"' EXIT
+    eval "launcher=($(python -m cupycomm.launchers -n 2 --leave-cleanup-to-cupycomm))"
+    echo "+ recording call shapes: ${launcher[*]} python -m pytest (the device tests)"
+    CUPYCOMM_RECORD_CALL_SHAPES=$shapes timeout 600 "${launcher[@]}" python -m pytest tests -q \
+        --color=no -p no:cacheprovider -k "standin or device or prefetch or graph or foreign" "$@"
+    echo "  (recorded in $SECONDS s)"
+fi
 
 status=0
 python -m tests.conformance.replay "$shapes" || status=$?
