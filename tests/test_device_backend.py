@@ -200,6 +200,18 @@ def test_after_an_abort_every_call_says_aborted(dcomm):
         backend._comm.check_async_error()        # NCCL's comm is freed: invalid argument
 
 
+def test_split_waits_for_the_collectives_in_flight_first(dcomm):
+    """CuPy's commSplit docstring: collectives still in flight may deadlock it."""
+    backend = dcomm.init_device()
+    x = sd.asarray(np.ones(2))
+    with sd.deferred(backend.stream):
+        dcomm.all_reduce(x, async_op=True)
+        assert backend.stream.pending
+        backend.split(0, dcomm.rank).destroy()
+        assert not backend.stream.pending
+    assert_equal(STANDIN, x, np.full(2, float(dcomm.size)))
+
+
 def test_nccl_failure_is_a_named_error(dcomm, monkeypatch):
     def broken(*args):
         raise sd.NcclError("unhandled cuda error")
