@@ -11,17 +11,64 @@ a GPU. Only CUDA and NCCL are stood in:
 - ``cuda.Stream`` runs work in order. A stream made with ``deferred=True`` holds its work
   back until something waits for it (``synchronize``, or an event recorded after the work
   that another stream waits on): a missing event wait in the backend then shows up as stale
-  data, exactly as on a GPU.
+  data, exactly as on a GPU. ``CUPYCOMM_STANDIN_DEFER_ALL=1`` makes every stream deferred
+  (and a query of a stream's progress from the main thread lets it get one step further,
+  as a busy GPU does). Stand-in kernels (NumPy operations) still run at once.
 - ``cuda.nccl.NcclCommunicator`` has CuPy's signatures (pointers, counts, NCCL datatypes,
   stream pointers) and does the work with MPI on host memory. Its unique id names the rank
   that made it; the members meet there over MPI (as NCCL's bootstrap meets at the address
   inside its id) and build their MPI communicator with ``MPI_Comm_create_group``.
+
+The rules it enforces where cupycomm depends on them, each broken on purpose by a test of
+``tests/test_standin_rules.py`` (source in brackets):
+
+1. ``cuda.nccl`` exists only once ``<module>.cuda.nccl`` is imported [CuPy's
+   ``cupy/cuda/__init__.py`` does not import it; its ``__getattr__`` raises AttributeError].
+2. An event last recorded in a capturing stream is never ``done`` and cannot be synchronized,
+   during the capture (which the query invalidates) or after it [CUDA Runtime API,
+   cudaEventQuery/cudaEventSynchronize: cudaErrorCapturedEvent; CuPy's ``Event.done`` is
+   ``eventQuery(ptr) == 0``, ``synchronize`` raises].
+3. In global or thread-local capture mode, a query, synchronize or new allocation from a
+   thread not in relaxed mode is refused and invalidates the capture; CuPy's
+   ``begin_capture()`` defaults to relaxed, torch's graphs capture in global mode
+   [cudaThreadExchangeStreamCaptureMode, "potentially unsafe API calls"; CuPy
+   ``cupy/cuda/stream.pyx`` begin_capture; pytorch#104555].
+4. A capturing stream may not wait on an event recorded outside the capture
+   [CUDA Programming Guide, stream capture, "Prohibited and Unhandled Operations":
+   cudaErrorStreamCaptureIsolation without cudaEventWaitExternal].
+5. Streams forked into a capture must be joined back before it ends
+   [cudaStreamEndCapture: cudaErrorStreamCaptureUnjoined].
+6. Streams are unordered without events: deferred streams, ``CUPYCOMM_STANDIN_DEFER_ALL``
+   [CUDA Programming Guide, streams: only events and the legacy stream order two streams].
+7. Freed memory goes back to the pool of the stream current at its allocation, is poisoned
+   in that stream's order and may then be reused by that stream at once [CuPy's
+   ``MemoryPool``: per-stream arenas, stream-ordered reuse].
+8. A thread has its own current device, 0 when new; each device has its own null stream
+   (handle 0 means the current device's) [cudaSetDevice is per host thread; the legacy
+   default stream is per device; CuPy's ``get_current_stream(device_id=-1)``].
+9. Events and streams of different devices do not mix: an event is recorded only on a
+   stream of its own device, a stream is made current only on its device; waiting across
+   devices is allowed [cudaEventRecord: cudaErrorInvalidResourceHandle; CuPy
+   ``check_stream_device_match``; cudaStreamWaitEvent].
+10. A communicator is made on the current device, and two ranks on one GPU are refused
+    unless their ``NCCL_HOSTID`` differ or ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (``SHARED_GPUS``
+    models ranks that see one node's GPUs) [NCCL ``init.cc``: "Duplicate GPU detected",
+    ncclInvalidUsage; the host hash of NCCL_HOSTID].
+11. An aborted or destroyed communicator refuses every call, ``check_async_error``
+    included; destroy or abort while another thread is inside ``check_async_error`` is
+    refused [CuPy's destroy/abort set the handle to NULL: NCCL answers ncclInvalidArgument;
+    ncclCommGetAsyncError takes no lock while ncclCommDestroy frees the communicator].
+12. Arguments are converted as CuPy's compiled signatures do: arity, TypeError without
+    ``__index__``, OverflowError outside the C type, ``bytes`` unique ids [CuPy's
+    ``cupy_backends/cuda/libs/nccl.pyx`` and ``cupy_backends/cuda/api/runtime.pyx``;
+    :data:`SIGNATURES`].
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import importlib.abc
@@ -41,6 +88,9 @@ from mpi4py import MPI
 
 DEVICE_COUNT = 1
 NO_WORK = False
+# Every stream holds its work back until something waits for it (CUDA orders two streams only
+# by events): CUPYCOMM_STANDIN_DEFER_ALL=1 runs a suite that way.
+DEFER_ALL = os.environ.get("CUPYCOMM_STANDIN_DEFER_ALL") == "1"
 
 # -- memory ---------------------------------------------------------------------------------------
 _allocations: dict = {}   # base address -> size in bytes, of every live stand-in allocation
@@ -126,10 +176,71 @@ def _track(array: np.ndarray) -> None:
 
 
 def _register(array: np.ndarray) -> ndarray:
-    _track(array)
+    """A new device array holding ``array``'s values, in memory from the pool of the current
+    stream (see _Pool)."""
+    if array.nbytes:
+        block, address, stream_ref = _Pool.take(array.nbytes)
+        memory = np.frombuffer(block, array.dtype, array.size).reshape(array.shape)
+        memory[...] = array
+        weakref.finalize(memory, _Pool.release, stream_ref, block, address)
+        array = memory
+    else:
+        _track(array)
     device_array = array.view(ndarray)
     device_array._device_id = Device.current_id()
     return device_array
+
+
+class _Pool:
+    """CuPy's memory pool, as strict as CUDA allows it to be: memory freed by an array goes back
+    to the pool of the stream that was current when it was allocated; in that stream's order
+    it is poisoned (every byte 0xFF: NaN, -1) and may then be handed to the next allocation on
+    that stream at once. Work still queued on another stream that reads or writes freed memory
+    (an array not kept alive long enough) sees poison or corrupts the new owner's data, as on
+    a GPU. The pool keeps every block it made (no use-after-free in the test process)."""
+
+    free: dict = {}            # (stream id, size) -> blocks whose poison has run
+    freed: collections.deque = collections.deque()   # (stream ref, block, address): to poison
+    draining = False
+
+    @staticmethod
+    def take(nbytes: int) -> tuple:
+        """(a block of ``nbytes``, its address, a reference to the stream it belongs to)."""
+        _runtime_call("cudaMalloc", unsafe=True)
+        _Pool.drain()
+        stream = _resolved(get_current_stream())
+        reusable = _Pool.free.get((id(stream), nbytes))
+        block = reusable.pop() if reusable else bytearray(nbytes)
+        address = ctypes.addressof((ctypes.c_char * nbytes).from_buffer(block))
+        _allocations[address] = nbytes
+        return block, address, weakref.ref(stream)
+
+    @staticmethod
+    def drain() -> None:
+        """Queue the poisoning of what was freed since the last look, each on its stream."""
+        if _Pool.draining:
+            return
+        _Pool.draining = True
+        try:
+            while _Pool.freed:
+                stream_ref, block, address = _Pool.freed.popleft()
+                stream = stream_ref()
+
+                def poison(block=block, key=(id(stream), len(block))):
+                    block[:] = b"\xff" * len(block)
+                    _Pool.free.setdefault(key, []).append(block)
+                if stream is None or stream.capture is not None:
+                    block[:] = b"\xff" * len(block)   # its stream is gone: never reused
+                else:
+                    stream.enqueue(poison, f"poison {len(block)} freed bytes")
+        finally:
+            _Pool.draining = False
+
+    @staticmethod
+    def release(stream_ref: Any, block: bytearray, address: int) -> None:
+        """An array's memory was freed (a finalizer: at any moment, in any thread)."""
+        _allocations.pop(address, None)
+        _Pool.freed.append((stream_ref, block, address))
 
 
 def empty(shape: Any, dtype: Any = float) -> ndarray:
@@ -216,7 +327,8 @@ class Stream:
                  deferred: bool = False) -> None:
         self.ptr = 0 if null else next(Stream._ptrs)
         self.device_id = -1 if null else Device.current_id()   # CuPy: -1 for the null stream
-        self.deferred = deferred
+        self.deferred = deferred or DEFER_ALL
+        self.busy = DEFER_ALL and not deferred   # held back, but progresses when queried
         self.pending: List[Callable[[], Optional[list]]] = []
         self.outstanding: list = []   # MPI requests of the last piece of work run
         self.enqueued = 0   # pieces of work ever enqueued
@@ -233,6 +345,7 @@ class Stream:
     def enqueue(self, op: Callable[[], Optional[list]], name: str) -> None:
         """``op`` runs when the stream gets there; it may return MPI requests it started.
         While the stream is being captured, ``op`` goes into the graph instead."""
+        _Pool.drain()
         if self.capture is not None:
             self.capture.add(self, op, name)
             self.log.append(f"captured {name}")
@@ -280,7 +393,11 @@ class Stream:
         try:
             if self.executed > position:
                 return True
-            return self.executed == position and MPI.Request.Testall(self.outstanding)
+            if self.executed == position:
+                return MPI.Request.Testall(self.outstanding)
+            if self.busy and threading.current_thread() is threading.main_thread():
+                self.run_until(self.executed + 1, complete=False)   # a busy GPU gets on
+            return False
         finally:
             self.lock.release()
 
@@ -830,8 +947,9 @@ class NcclCommunicator:
             # the order they were issued (NCCL requires every rank to issue them alike).
             _group.append((stream_ptr, nonblocking or (lambda: run() or [])))
             return
-        Stream.from_ptr(stream_ptr).enqueue(lambda: None if NO_WORK else run(),
-                                            f"nccl {name}")
+        # An aborted communicator's kernels end without doing their work.
+        Stream.from_ptr(stream_ptr).enqueue(
+            lambda: None if NO_WORK or not self._alive else run(), f"nccl {name}")
 
     def _reduced(self, send: np.ndarray, op: int) -> np.ndarray:
         """Every rank's ``send`` reduced elementwise with NCCL op ``op``: gathered as bytes and
@@ -955,11 +1073,11 @@ def forget_nccl_import() -> None:
 @contextlib.contextmanager
 def deferred(stream: Stream):
     """Hold ``stream``'s work back inside the block (a GPU that is still busy)."""
-    stream.deferred = True
+    before, stream.deferred = stream.deferred, True
     try:
         yield stream
     finally:
-        stream.deferred = False
+        stream.deferred = before
 
 
 # ==================================================================================================

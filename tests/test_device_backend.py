@@ -49,6 +49,7 @@ def test_async_collective_leaves_the_caller_stream_alone_until_wait(dcomm):
         assert caller.log == [f"record {dcomm._nccl._ready.name}"]
         assert work.wait() is x
         assert caller.log[-1].startswith("wait event")
+        caller.synchronize()   # wait() only orders the caller's stream: the GPU may be busy
     assert work.is_completed()
     assert_equal(STANDIN, x, np.full(3, float(dcomm.size)))
 
@@ -197,6 +198,18 @@ def test_after_an_abort_every_call_says_aborted(dcomm):
     assert backend.async_error() == "" and not backend.has_pending_work()
     with pytest.raises(sd.NcclError, match="aborted"):
         backend._comm.check_async_error()        # NCCL's comm is freed: invalid argument
+
+
+def test_split_waits_for_the_collectives_in_flight_first(dcomm):
+    """CuPy's commSplit docstring: collectives still in flight may deadlock it."""
+    backend = dcomm.init_device()
+    x = sd.asarray(np.ones(2))
+    with sd.deferred(backend.stream):
+        dcomm.all_reduce(x, async_op=True)
+        assert backend.stream.pending
+        backend.split(0, dcomm.rank).destroy()
+        assert not backend.stream.pending
+    assert_equal(STANDIN, x, np.full(2, float(dcomm.size)))
 
 
 def test_nccl_failure_is_a_named_error(dcomm, monkeypatch):

@@ -117,6 +117,7 @@ def test_watchdog_queries_never_invalidate_a_capture(dcomm, mode):
     backend = dcomm.init_device()
     x = sd.asarray(np.ones(3))
     dcomm.all_reduce(x)                              # the watchdog's event: recorded outside
+    STANDIN.synchronize()                            # and done (were every stream deferred)
     stream = sd.Stream(non_blocking=True)
     with stream:
         stream.begin_capture(mode)

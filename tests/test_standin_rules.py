@@ -1,6 +1,8 @@
 """Each rule of the stand-in (see the list in ``nccl_standin``'s docstring), broken on purpose:
 the stand-in must refuse what CUDA or NCCL would refuse, or the suite proves nothing."""
 import contextlib
+import ctypes
+import gc
 import threading
 
 import numpy as np
@@ -221,3 +223,26 @@ def test_arguments_are_converted_as_cupys_compiled_signatures_do(bad, error):
         sd.NcclCommunicator(1, bytearray(sd.get_unique_id()), 0)   # bytes commId
     comm.allReduce(x.data.ptr, x.data.ptr, np.uint64(2), np.int32(8), 0, 0)   # __index__
     comm.destroy()
+
+
+# -- memory ----------------------------------------------------------------------------------------------
+def raw_view(address, count):
+    """The float64 values at ``address``, whoever owns that memory now."""
+    return np.frombuffer((ctypes.c_char * (8 * count)).from_address(address), np.float64)
+
+
+def test_freed_memory_is_poisoned_in_its_streams_order_and_reused_by_that_stream():
+    stream, other = sd.Stream(non_blocking=True), sd.Stream(non_blocking=True)
+    with stream:
+        x = sd.asarray(np.ones(4))
+        address = x.data.ptr
+        with sd.deferred(stream):
+            del x
+            gc.collect()
+            sd.empty(1)                                  # the pool looks at what was freed
+            assert (raw_view(address, 4) == 1).all()     # the stream has not got there yet
+            stream.synchronize()
+        assert np.isnan(raw_view(address, 4)).all()      # poisoned: NaN
+        with other:
+            assert sd.empty(4).data.ptr != address       # not another stream's
+        assert sd.empty(4).data.ptr == address           # this stream's, at once
