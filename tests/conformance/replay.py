@@ -24,10 +24,7 @@ import types
 import warnings
 from typing import Any, Callable, List, Optional
 
-try:
-    from . import shapes
-except ImportError:   # run as a file
-    import shapes  # type: ignore[no-redef]
+from . import shapes
 
 # The errors of a call that reached CUDA or NCCL: by class name, as CuPy's live in several
 # modules (cupy_backends.cuda.api.runtime, .driver, cupy_backends.cuda.libs.nccl...).
