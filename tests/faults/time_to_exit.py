@@ -72,7 +72,7 @@ def main() -> None:
 
 
 def across_nodes(runs: int, options: list, names: list) -> None:
-    print(f"{'scenario (ranks per node), launcher cleanup':56s} {'exit statuses':14s} "
+    print(f"{'scenario (ranks per node), launcher cleanup':62s} {'exit statuses':14s} "
           f"{'worst s':>8s} {'median s':>9s}")
     for name in names:
         ranks_per_node = NODE_SCENARIOS[name]
@@ -81,7 +81,7 @@ def across_nodes(runs: int, options: list, names: list) -> None:
             report(label, [run_mpiexec(sum(ranks_per_node), SCRIPT, name, timeout=60,
                                        mpiexec_args=extra + simulated_nodes(*ranks_per_node),
                                        env={"CUPYCOMM_TIMEOUT": "600"})
-                           for _ in range(runs)], width=56, names="node1")
+                           for _ in range(runs)], width=62, names="node1")
 
 
 def report(name: str, jobs: list, width: int = 40, names: str = "") -> None:
