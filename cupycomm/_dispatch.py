@@ -66,6 +66,11 @@ class Dispatch:
                                                       f"__array_interface__, "
                                                       f"__cuda_array_interface__ or "
                                                       f"__dlpack__), got {kind_name(x)}")
+                why = writes and _foreign.read_only_through_dlpack(x, native)
+                if why:
+                    raise self._fail(ValueError, name, f"{arg} {why}, so {name} cannot write "
+                                                       f"its result there; pass a NumPy array "
+                                                       f"or a buffer, or use NumPy 2.1 or newer")
                 inner, native = self._take_slowly(name, arg, native, collective, writes)
                 return _foreign.Foreign(inner, native, x), native
             b = self._adopt(name, kind, x, collective)
@@ -133,7 +138,7 @@ class Dispatch:
             raise self._fail(TypeError, name, f"{arg} must be an array, got None")
         known, native = self._backends.get(type(other)), other
         if known is None and self._classify(other) is None:
-            known, native, _ = self._take(name, arg, other, collective=False)
+            known, native, _ = self._take(name, arg, other, collective=False, writes=writes)
         own = getattr(b, "inner", b)
         mixed = (getattr(known, "inner", known) is not own if known is not None
                  else (self._classify(native) == "host") != (own is self._host))

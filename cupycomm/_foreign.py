@@ -25,6 +25,9 @@ from .work import Work
 __all__ = ["to_native", "Foreign", "Unsupported"]
 
 _DLPACK_CPU, _DLPACK_CUDA = 1, 2
+# NumPy before 2.1 imports every DLPack object read-only (the protocol had no flag to say
+# otherwise), so results cannot be written into a host object that only exposes __dlpack__.
+_NUMPY_DLPACK_READ_ONLY = tuple(int(part) for part in np.__version__.split(".")[:2]) < (2, 1)
 _BFLOAT16 = next((dtype for dtype in DTYPES if dtype.name == "bfloat16"), None)
 
 
@@ -60,6 +63,18 @@ def to_native(x: Any, cupy: Callable[[], Any]) -> Optional[Any]:
     except TypeError:
         return None
     return np.asarray(x)
+
+
+def read_only_through_dlpack(x: Any, native: Any) -> Optional[str]:
+    """Why ``native``, :func:`to_native`'s view of ``x``, is read-only when ``x`` may not be
+    (NumPy before 2.1 imports host ``__dlpack__`` objects read-only), else None; the text
+    completes "x ..." in the caller's message."""
+    if (_NUMPY_DLPACK_READ_ONLY and isinstance(native, np.ndarray)
+            and not native.flags.writeable and hasattr(x, "__dlpack__")
+            and not _exposes(x, "__cuda_array_interface__")):
+        return (f"exposes its memory through __dlpack__, which NumPy {np.__version__} (before "
+                f"2.1) imports read-only")
+    return None
 
 
 def _exposes(x: Any, name: str) -> bool:

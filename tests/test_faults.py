@@ -3,20 +3,25 @@ with a hard bound, and must end the whole job quickly, non-zero, saying which ra
 
 These tests start mpiexec jobs of their own, so they run in the single-process pass of the
 suite (mpiexec does not nest inside an mpiexec run) and skip under mpiexec on every rank.
-The jobs run as docs/guide/faults-and-timeouts.md recommends, with MPICH's
-``-disable-auto-cleanup``: the watchdog, not the launcher, must end them.
+The jobs run as docs/guide/faults-and-timeouts.md recommends, with hydra's (MPICH's, Intel
+MPI's) ``-disable-auto-cleanup``: the watchdog, not the launcher, must end them. Where an MPI
+behaves otherwise, the test says what each does.
 """
+import re
 from pathlib import Path
 
 import pytest
+from mpi4py import MPI
 
-from cupycomm.launchers import find
+from cupycomm import launchers
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
 SCENARIO = str(Path(__file__).resolve().parent / "faults" / "scenario.py")
 BOUND = 10.0   # seconds within which every fault must end the job
+LAUNCHER = launchers.find().kind
+LIBRARY = launchers.library_kind(MPI.Get_library_version())
 
 
 def run(name, n=3, timeout=60):
@@ -91,12 +96,19 @@ def test_a_rank_that_never_arrives_times_out_naming_it():
 
 
 def test_a_collective_that_holds_the_gil_ends_the_process_with_its_stacks():
+    """The culprit's stacks, then its end is named: by its peer's watchdog where the launcher
+    leaves the job to cupycomm (hydra with -disable-auto-cleanup), by Open MPI's launcher,
+    which ends the job as soon as a rank exits non-zero, in its own words."""
     job = run("hold-gil", n=2)
     ended_quickly(job)   # the 3 s timeout + the margin, shrunk to 1 s by the scenario
     assert job.returncode != 0
     assert "Timeout (0:00:04)!" in job.output
     assert "in hold_the_gil" in job.output   # the thread that held on
-    assert "rank 1 of communicator mpi_comm" in job.output and "has died" in job.output
+    if LAUNCHER == "openmpi":
+        assert re.search(r"exited with non-zero status.*Process name: *\[\S+,1\]",
+                         job.output, re.DOTALL), job.output
+    else:
+        assert "rank 1 of communicator mpi_comm" in job.output and "has died" in job.output
 
 
 def test_a_long_call_holding_the_gil_outside_collectives_is_left_alone():
@@ -116,12 +128,22 @@ def test_debug_mode_names_the_disagreement_on_every_rank(kind):
     assert "ranks disagree: rank 2 called" in job.output
 
 
-def test_a_count_mismatch_without_debug_mode_is_an_error_not_garbage():
+def test_a_count_mismatch_without_debug_mode_is_what_the_mpi_makes_of_it():
+    """Without debug mode cupycomm adds no check to a collective (that would cost every call a
+    round of messages), so a count mismatch is what the MPI library makes of it, as
+    docs/guide/debug-mode.md tabulates; debug mode names it on every rank under each (above).
+    MPICH: an error (truncated) on every rank. Open MPI: an error on a rank that receives more
+    than it posted, which ends the job non-zero, but another rank may finish first with a
+    result. Intel MPI: not seen at all; every rank finishes."""
     job = run("mismatch-count")
     ended_quickly(job)
+    if LIBRARY == "intelmpi":
+        assert job.returncode == 0 and job.output.count("finished with") == 3, job.output
+        return
     assert job.returncode != 0
-    assert "truncated" in job.output.lower()   # MPI sees the sizes differ
-    no_rank_finished(job)
+    assert "truncated" in job.output.lower(), job.output   # MPI sees the sizes differ
+    if LIBRARY == "mpich":
+        no_rank_finished(job)
 
 
 @pytest.mark.parametrize("kind", ["dtype", "op", "root"])
@@ -167,7 +189,7 @@ CUPYCOMM_NAMES = {   # scenario: (ranks per node, what cupycomm's message says o
 # With hydra's own cleanup, a rank killed by a signal makes mpiexec end the job at once,
 # before any heartbeat is missed; hydra names the node and the signal then.
 KILLED_BY_A_SIGNAL = ("sigkill", "node-sigkill")
-simulates_nodes = pytest.mark.skipif(find().kind not in SIMULATES_NODES,
+simulates_nodes = pytest.mark.skipif(LAUNCHER not in SIMULATES_NODES,
                                      reason="only MPICH's and Intel MPI's hydra can simulate "
                                             "nodes")
 
