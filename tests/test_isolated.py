@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cupycomm.testing import launch_environment, no_auto_cleanup, run_mpiexec
+from cupycomm.work import poll_until
 
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.mpi(max_size=1)   # starts pytest sessions that start mpiexec jobs
@@ -132,3 +133,28 @@ def test_bad_mpi_sizes_are_usage_errors(pytester, value):
     result = pytester.runpytest("-o", f"mpi_sizes={value}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*mpi_sizes must be numbers of ranks >= 1, got *{value}*"])
+
+
+def test_a_job_ends_when_the_session_that_started_it_is_killed(tmp_path):
+    """A session killed from outside (a CI timeout) leaves no job running: the job's rank 0
+    removes its directory and aborts it."""
+    (tmp_path / "test_sleeps.py").write_text(
+        "import time\nimport pytest\n\n@pytest.mark.mpi(n=2)\ndef test_sleeps():\n"
+        "    time.sleep(120)\n")
+    # TMPDIR: the session makes the job's directory here.
+    session = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                                "--mpi-timeout=300", "test_sleeps.py"], cwd=tmp_path,
+                               env=launch_environment({"TMPDIR": str(tmp_path)}),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert poll_until(lambda: _started(tmp_path), timeout=TIMEOUT)
+    finally:
+        session.kill()
+        session.wait()
+    assert poll_until(lambda: not list(tmp_path.glob("cupycomm-isolated-*")), timeout=TIMEOUT)
+
+
+def _started(directory):
+    """Whether a job under ``directory`` has started its test."""
+    return any('"start"' in events.read_text()
+               for events in directory.glob("cupycomm-isolated-*/events"))

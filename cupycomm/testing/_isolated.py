@@ -15,6 +15,7 @@ that ends before its first test fails the tests it had, with its output.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -24,6 +25,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
 
+from ..faults.abort import abort_world, report_stream
+from ..faults.board import alive
+from ..faults.watchdog import unwatch, watch
 from ._outcomes import Crash, RankFailures
 from ._session import TIMEOUT
 from .launch import kill, no_auto_cleanup, start_mpiexec
@@ -62,7 +66,7 @@ def by_size(items: List[pytest.Item]) -> None:
 def keep_listed(config: pytest.Config, items: List[pytest.Item], listed: Path) -> None:
     """Keep the tests a job was given, in the order given (the other tests of their modules,
     those of other sizes among them, are deselected)."""
-    order = {nodeid: i for i, nodeid in enumerate(json.loads(listed.read_text()))}
+    order = {nodeid: i for i, nodeid in enumerate(json.loads(listed.read_text())["tests"])}
     kept = sorted((item for item in items if item.nodeid in order),
                   key=lambda item: order[item.nodeid])
     dropped = [item for item in items if item.nodeid not in order]
@@ -73,11 +77,26 @@ def keep_listed(config: pytest.Config, items: List[pytest.Item], listed: Path) -
 
 class JobReports:
     """Rank 0 of a job: each test's start and its reports, a JSON line each, written as they
-    happen, so that a crash loses only the test that was running."""
+    happen, so that a crash loses only the test that was running. The job ends when the
+    session that started it has gone (killed, by a CI timeout say): none outlives it."""
+
+    timeout = 0.0  # for the watchdog, which looks at the session: this never waits
 
     def __init__(self, config: pytest.Config, directory: Path) -> None:
         self._config = config
+        self._directory = directory
+        self._session = json.loads((directory / LISTED).read_text())["session"]
         self._out = (directory / _EVENTS).open("a", buffering=1)  # a line, a write
+        watch(self)
+
+    def check(self, now: float) -> bool:
+        """On the watchdog thread: abort the job if the session that started it has gone."""
+        if not alive(self._session):
+            report_stream().write(f"cupycomm.testing: the pytest session that started this job "
+                                  f"(pid {self._session}) has gone; aborting the job\n")
+            shutil.rmtree(self._directory, ignore_errors=True)
+            abort_world(1)
+        return False
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
         self._write({"start": nodeid})
@@ -103,6 +122,7 @@ class JobReports:
         self._out.write(json.dumps(event, default=str) + "\n")
 
     def pytest_unconfigure(self) -> None:
+        unwatch(self)
         self._out.close()
 
 
@@ -159,7 +179,8 @@ class Job:
         self._silent_since = time.monotonic()
         self._killed_after: Optional[float] = None
         self.directory = Path(tempfile.mkdtemp(prefix="cupycomm-isolated-"))
-        (self.directory / LISTED).write_text(json.dumps(self.listed))
+        (self.directory / LISTED).write_text(json.dumps({"session": os.getpid(),
+                                                          "tests": self.listed}))
         (self.directory / _EVENTS).touch()
         self._events = (self.directory / _EVENTS).open()
         files = list(dict.fromkeys(str(item.path) for item in items))
