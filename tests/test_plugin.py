@@ -10,15 +10,12 @@ import os
 from pathlib import Path
 
 import pytest
-from mpi4py import MPI
 
 from cupycomm.testing import launch_environment, no_auto_cleanup, run_mpiexec
 from cupycomm.testing._session import TIMEOUT, worst_exit_status
 
 pytest_plugins = ["pytester"]
-pytestmark = pytest.mark.skipif(
-    MPI.COMM_WORLD.Get_size() > 1,
-    reason="starts mpiexec jobs of its own: runs in the single-process pass of the suite")
+pytestmark = pytest.mark.mpi(max_size=1)   # starts mpiexec jobs of its own
 
 CASES = Path(__file__).resolve().parent / "plugin_cases"
 SIZES = [2, 3]
@@ -217,7 +214,9 @@ def test_timeouts_come_from_the_marker_the_option_the_ini_value(pytester):
 
 
 @pytest.mark.parametrize("mark", ["mpi_timeout(-1)", "mpi_timeout(1, 2)", "mpi(2)",
-                                  "mpi(min_size=0)", "mpi(min_size=3, max_size=2)"])
+                                  "mpi(min_size=0)", "mpi(min_size=3, max_size=2)",
+                                  "mpi(n=0)", "mpi(n=[])", "mpi(n=2, min_size=1)",
+                                  "mpi(n=True)"])
 def test_bad_marker_arguments_are_usage_errors(pytester, mark):
     pytester.makepyfile(f"""
         import pytest

@@ -104,6 +104,25 @@ class RankFailures:
         self.size = size
         self.reprcrash = reprcrash
 
+    def as_data(self) -> Dict[str, Any]:
+        """The failures as JSON-ready data (tracebacks as text), for :meth:`from_data`."""
+        crash = self.reprcrash
+        return {"failures": [(ranks, str(longrepr)) for ranks, longrepr in self.failures],
+                "size": self.size,
+                "crash": None if crash is None else (crash.path, crash.lineno, crash.message)}
+
+    @classmethod
+    def from_data(cls, data: Dict[str, Any]) -> "RankFailures":
+        """The failures that :meth:`as_data` wrote (in a job of isolated mode).
+
+        >>> again = RankFailures.from_data(RankFailures([([1], "boom")], 2, None).as_data())
+        >>> again.failures, again.size
+        ([([1], 'boom')], 2)
+        """
+        crash = data["crash"]
+        return cls([(list(ranks), text) for ranks, text in data["failures"]], data["size"],
+                   None if crash is None else Crash(*crash))
+
     def toterminal(self, tw: Any) -> None:
         for ranks, longrepr in self.failures:
             tw.sep("-", f"{ranks_label(ranks)} of {self.size}")

@@ -17,12 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from .. import launchers
 
-__all__ = ["Launched", "run_mpiexec", "launch_environment", "no_auto_cleanup",
-           "simulated_nodes", "SIMULATES_NODES"]
+__all__ = ["Launched", "run_mpiexec", "start_mpiexec", "kill", "launch_environment",
+           "no_auto_cleanup", "simulated_nodes", "SIMULATES_NODES"]
 
 #: The kinds of launcher (:attr:`cupycomm.launchers.Launcher.kind`) that can simulate nodes.
 SIMULATES_NODES = ("hydra", "intelmpi")
@@ -81,21 +81,58 @@ def run_mpiexec(n: int, *args: str, timeout: float, env: Optional[Mapping[str, s
     if not timeout > 0:
         raise ValueError(f"run_mpiexec: timeout must be a positive number of seconds, "
                          f"got {timeout!r}")
-    command = launchers.find(mpiexec).command(n)
-    argv = [command[0], *mpiexec_args, *command[1:], sys.executable, *args]
     start = time.monotonic()
-    # A session of its own: on timeout, one signal reaches mpiexec and every rank it started.
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          errors="replace", env=launch_environment(env), cwd=cwd,
-                          start_new_session=True) as job:
+    with start_mpiexec(n, *args, env=env, cwd=cwd, mpiexec=mpiexec, mpiexec_args=mpiexec_args,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE) as job:
         try:
             stdout, stderr = job.communicate(timeout=timeout)
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signal.SIGKILL)
+            kill(job)
             stdout, stderr = job.communicate()
             timed_out = True
-    return Launched(argv, job.returncode, stdout, stderr, time.monotonic() - start, timed_out)
+    return Launched(job.args, job.returncode, stdout, stderr, time.monotonic() - start,
+                    timed_out)
+
+
+def start_mpiexec(n: int, *args: str, env: Optional[Mapping[str, str]] = None,
+                  cwd: Optional[str] = None, mpiexec: Optional[str] = None,
+                  mpiexec_args: Sequence[str] = (), stdout: Any = None,
+                  stderr: Any = None) -> "subprocess.Popen[str]":
+    """Start ``mpiexec *mpiexec_args -n n python *args`` and return at once (the arguments
+    as :func:`run_mpiexec`'s; ``stdout`` and ``stderr`` as :class:`subprocess.Popen`'s).
+
+    The job runs in a session of its own: :func:`kill` ends mpiexec, its proxies and the
+    ranks together.
+
+    Example::
+
+        with open("job.log", "w") as log:
+            job = start_mpiexec(3, "-m", "pytest", "tests/", stdout=log, stderr=log)
+        ...
+        if job.poll() is None:
+            kill(job)
+    """
+    command = launchers.find(mpiexec).command(n)  # which checks n
+    argv = [command[0], *mpiexec_args, *command[1:], sys.executable, *args]
+    return subprocess.Popen(argv, stdout=stdout, stderr=stderr, text=True, errors="replace",
+                            env=launch_environment(env), cwd=cwd, start_new_session=True)
+
+
+def kill(job: "subprocess.Popen[str]") -> None:
+    """Kill a job that :func:`start_mpiexec` started: mpiexec and every rank it started (one
+    signal to its process group), then reap mpiexec.
+
+    Example::
+
+        kill(job)
+        assert job.returncode == -signal.SIGKILL
+    """
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already (and mpiexec ended)
+        pass
+    job.wait()
 
 
 def no_auto_cleanup(mpiexec: Optional[str] = None) -> List[str]:

@@ -5,10 +5,14 @@ With more than one rank, the ranks act as one session (see ``_session``): rank 0
 one report, a test fails if it fails on any rank, skips and collection agree, a hanging test
 ends the job at its timeout with every rank's stack, and every rank exits with the job's
 status. In one process the plugin adds a header line, the markers and the fixtures (the
-timeout is not enforced there: no peer can leave a test waiting).
+timeout is not enforced there: no peer can leave a test waiting), and runs the tests meant for
+more ranks in ``mpiexec`` jobs of their own (isolated mode, see ``_isolated``).
 
-Markers: ``mpi(min_size=N, max_size=M)``, ``mpi_timeout(seconds)``, ``gpu``.
-Options: ``--mpi-timeout=SECONDS`` or the ini value ``mpi_timeout`` (default 60; 0: none).
+Markers: ``mpi(n=N or [N, ...])`` or ``mpi(min_size=N, max_size=M)``, ``mpi_timeout(seconds)``,
+``gpu``.
+Options: ``--mpi-timeout=SECONDS`` or the ini value ``mpi_timeout`` (default 60; 0: none);
+``--mpi-isolated=yes|no`` or the ini value ``mpi_isolated`` (default yes); the ini value
+``mpi_sizes`` (default ``1``): the world sizes of a test with no ``n`` in isolated mode.
 Fixtures: ``mpi_comm`` (a fresh duplicate of COMM_WORLD), ``cupycomm_comm`` (a fresh
 cupycomm communicator), each for one test. Making a communicator is collective, so both are
 made before any fixture of the test: a fixture that skips or fails on some ranks only cannot
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy
@@ -29,12 +34,15 @@ from cupycomm import _bootstrap
 from cupycomm.backends.nccl import library_version
 from cupycomm.faults import abort
 
+from . import _isolated
 from ._session import TIMEOUT, MpiSession
 
 _FAILED = pytest.StashKey[bool]()  # on an item: its setup or call failed on this rank
 _FRESH = pytest.StashKey[Dict[str, Any]]()  # on an item: its communicators not yet handed out
 _KEPT = pytest.StashKey[List[Any]]()  # communicators of failed tests, never freed
 _DEFAULT = pytest.StashKey[float]()  # the session's timeout per test
+_SIZES = pytest.StashKey[Optional[List[int]]]()  # isolated mode's mpi_sizes; None: not on
+_JOB = pytest.StashKey[Optional[Path]]()  # in a job of isolated mode: its directory
 _DEFAULT_TIMEOUT = "60"
 
 
@@ -47,6 +55,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "0: no timeout)")
     parser.addini("mpi_timeout", "seconds a test may take under mpiexec (0: no timeout)",
                   default=_DEFAULT_TIMEOUT)
+    group.addoption("--mpi-isolated", choices=("yes", "no"), dest="mpi_isolated",
+                    help="in one process, run the tests meant for more ranks (mpi(n=...), "
+                         "the ini value mpi_sizes) in mpiexec jobs of their own, one job per "
+                         "world size (default: the mpi_isolated ini value, else yes; no: "
+                         "skip them, as under mpiexec with another size)")
+    parser.addini("mpi_isolated", "yes: run the tests meant for more ranks in mpiexec jobs "
+                                  "when pytest runs in one process; no: skip them",
+                  default="yes")
+    parser.addini("mpi_sizes", "the world sizes at which a plain pytest runs each test that "
+                               "has no mpi(n=...) marker, within its min_size and max_size "
+                               "(sizes other than 1 in mpiexec jobs)", type="args",
+                  default=["1"])
+    group.addoption("--mpi-job", dest="mpi_job", metavar="DIRECTORY",
+                    help="(internal) run as a job of isolated mode, whose tests and reports "
+                         "are in DIRECTORY")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -59,19 +82,63 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 @pytest.hookimpl(trylast=True)  # after the terminal reporter and the cache exist
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped where CuPy sees none")
-    config.addinivalue_line("markers", "mpi(min_size=1, max_size=None): needs that many MPI "
-                                       "ranks; skipped on every rank otherwise")
+    config.addinivalue_line("markers", "mpi(n=None, min_size=1, max_size=None): runs on n "
+                                       "MPI ranks (a number or a list) or on min_size to "
+                                       "max_size; skipped on every rank otherwise; in one "
+                                       "process, run in an mpiexec job of each size n")
     config.addinivalue_line("markers", "mpi_timeout(seconds): this test's timeout under "
                                        "mpiexec (0: none)")
     config.stash[_KEPT] = []
     value = config.getoption("mpi_timeout")
     timeout = _seconds(config.getini("mpi_timeout") if value is None else value, "mpi_timeout")
     config.stash[_DEFAULT] = timeout
+    job = config.getoption("mpi_job")
+    config.stash[_JOB] = None if job is None else Path(job)
+    config.stash[_SIZES] = _isolated_sizes(config)
+    if config.stash[_JOB] is not None and _bootstrap.world().Get_rank() == 0:
+        config.pluginmanager.register(_isolated.JobReports(config, config.stash[_JOB]),
+                                      "cupycomm-job-reports")
+    elif config.stash[_SIZES] is not None:
+        config.pluginmanager.register(_isolated.IsolatedJobs(config, timeout),
+                                      "cupycomm-isolated-jobs")
     if _bootstrap.world().Get_size() > 1:
         # The watchdog's abort message and stacks must reach the terminal: pytest's capture
         # of fd 2, where sys.stderr writes during a test, is lost when the job aborts.
         abort.report_to(os.fdopen(os.dup(2), "w"))
         config.pluginmanager.register(MpiSession(config, timeout), "cupycomm-mpi-session")
+
+
+def _isolated_sizes(config: pytest.Config) -> Optional[List[int]]:
+    """The ini value mpi_sizes where tests get an id per world size: in one process with
+    isolated mode on, and in its jobs (whose tests must have the same ids); else None."""
+    if config.stash[_JOB] is None:
+        value = config.getoption("mpi_isolated") or config.getini("mpi_isolated")
+        if value not in ("yes", "no"):
+            raise pytest.UsageError(f"mpi_isolated must be yes or no, got {value!r}")
+        if value == "no" or _bootstrap.world().Get_size() > 1:
+            return None
+    sizes = config.getini("mpi_sizes")
+    try:
+        numbers = [int(size) for size in sizes]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 1:
+        raise pytest.UsageError(f"mpi_sizes must be numbers of ranks >= 1, got {sizes!r}")
+    return sorted(set(numbers))
+
+
+@pytest.hookimpl(trylast=True)  # the size last in the id: test_x[float32-mpi3]
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """In isolated mode, a test per world size it runs at (other than 1 alone)."""
+    sizes = metafunc.config.stash[_SIZES]
+    if sizes is None:
+        return
+    try:
+        low, high, exact = _sizes(metafunc.definition)
+    except pytest.UsageError:
+        return  # a usage error of the session, raised once the tests are collected
+    _isolated.parametrize(metafunc, exact or [n for n in sizes if low <= n and
+                                              (high is None or n <= high)] or [1])
 
 
 def pytest_report_header(config: pytest.Config) -> Optional[str]:
@@ -88,6 +155,10 @@ def pytest_report_header(config: pytest.Config) -> Optional[str]:
     timeout = f"mpi_timeout {config.stash[_DEFAULT]:g} s"
     if size == 1:
         timeout += " (not enforced in one process)"
+    sizes = config.stash[_SIZES]
+    if sizes is not None and sizes != [1] and config.stash[_JOB] is None:
+        timeout += (f"; mpi_sizes {' '.join(map(str, sizes))} (past 1 in mpiexec jobs: "
+                    f"isolated mode)")
     return f"cupycomm.testing: {', '.join(parts)}; {timeout}"
 
 
@@ -100,12 +171,22 @@ def _cupy_versions() -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
-    """Check the markers' arguments once, skip the tests that need another number of ranks
-    (on every rank alike), and give each test its timeout."""
-    size = _bootstrap.world().Get_size()
+    """In a job of isolated mode keep its tests; in one process in isolated mode, put the
+    tests of each size together. Check the markers' arguments once, skip the tests that need
+    another number of ranks (on every rank alike), and give each test its timeout."""
+    if config.stash[_JOB] is not None:
+        _isolated.keep_listed(config, items, config.stash[_JOB] / _isolated.LISTED)
+    elif config.stash[_SIZES] is not None:
+        _isolated.by_size(items)
+    world = _bootstrap.world().Get_size()
     for item in items:
-        low, high = _sizes(item)
-        if size < low or (high is not None and size > high):
+        low, high, exact = _sizes(item)
+        size = _isolated.size_of(item) if config.stash[_SIZES] is not None else world
+        if exact is not None and size not in exact:
+            wanted = " or ".join(map(str, exact))
+            item.add_marker(pytest.mark.skip(
+                reason=f"runs on {wanted} MPI ranks, has {size} (mpiexec -n {exact[0]} ...)"))
+        elif size < low or (high is not None and size > high):
             wanted = f"at least {low}" if high is None else f"{low} to {high}"
             item.add_marker(pytest.mark.skip(
                 reason=f"needs {wanted} MPI ranks, has {size} (mpiexec -n {low} ...)"))
@@ -235,17 +316,26 @@ def _one_arg(item: pytest.Item, mark: pytest.Mark, name: str) -> Any:
     return values[0]
 
 
-def _sizes(item: pytest.Item) -> tuple:
-    """(min_size, max_size or None) of the test's ``mpi`` marker."""
+def _sizes(item: Any) -> tuple:
+    """(min_size, max_size or None, the sizes n as a sorted list or None) of the test's
+    ``mpi`` marker."""
     mark = item.get_closest_marker("mpi")
     if mark is None:
-        return 1, None
+        return 1, None, None
+    if "n" in mark.kwargs:
+        n = mark.kwargs["n"]
+        exact = sorted(set(n)) if isinstance(n, (list, tuple)) else [n]
+        if mark.args or set(mark.kwargs) != {"n"} or not exact or not all(map(_count, exact)):
+            raise pytest.UsageError(f"{item.nodeid}: use mpi(n=N) or mpi(n=[N, ...]) with "
+                                    f"N >= 1, without min_size and max_size; got "
+                                    f"args={mark.args} kwargs={mark.kwargs}")
+        return exact[0], exact[-1], exact
     low, high = mark.kwargs.get("min_size", 1), mark.kwargs.get("max_size")
     if (mark.args or set(mark.kwargs) - {"min_size", "max_size"}
             or not _count(low) or not (high is None or (_count(high) and high >= low))):
         raise pytest.UsageError(f"{item.nodeid}: use mpi(min_size=N, max_size=M) with "
                                 f"1 <= N <= M; got args={mark.args} kwargs={mark.kwargs}")
-    return low, high
+    return low, high, None
 
 
 def _count(value: Any) -> bool:
