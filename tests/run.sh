@@ -40,7 +40,8 @@ read -r -a tests <<< "${TESTS:-tests}"
 # A hard bound on each pass on top of the plugin's per-test timeout: nothing can hang CI.
 for n in ${RANKS:-1 2 3 4}; do
     if [ "$n" = 1 ]; then
-        run timeout 900 python -m pytest "${tests[@]}" "$@"
+        # isolated mode off: the mpiexec passes below run the other sizes
+        run timeout 900 python -m pytest --mpi-isolated=no "${tests[@]}" "$@"
         continue
     fi
     # The launcher's options that leave ending a failed job to cupycomm: hydra kills every
