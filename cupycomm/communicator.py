@@ -23,6 +23,17 @@ Semantics shared by every method (documented here once):
   or concatenated along axis 0, ``(size * part.shape[0], *part.shape[1:])``.
 - **Zero-size and 0-d arrays** are valid wherever their shape is: a 0-d array reduces,
   broadcasts and is gathered into shape ``(size,)``; it has no leading axis to split.
+
+How a call runs (for contributors): a synchronous call on NumPy arrays whose every argument
+passes the common-case test written at the top of each method (exact ``numpy.ndarray``,
+C-contiguous, writable where written, ``out`` of the same dtype and an accepted shape, an int
+root or peer in range) takes the backend's *prepared call* for its (collective, dtype, op),
+made once and kept in ``_prepared`` (:class:`~cupycomm.backends.mpi.PreparedCalls`): the raw
+typed mpi4py call inside the watchdog's marks, two interpreter frames in all. Anything else
+(a failed test, a dtype or op with no prepared call, async_op, stream, a ``batch()`` block, a
+closed communicator, device and foreign arrays) takes the general path, which makes every
+check and raises the errors; so the fast path rejects exactly what the general path does
+(``tests/test_prepared.py`` runs the bad-input suite through it).
 """
 from __future__ import annotations
 
@@ -42,7 +53,7 @@ from ._parts import JoinedShapes
 from ._validate import Validation
 from .faults.watchdog import Tracker, unwatch, watch
 from .batch import Batch
-from .backends.mpi import MPIBackend
+from .backends.mpi import MPIBackend, PreparedCalls
 from .work import Work
 
 __all__ = ["Communicator", "init", "DEFAULT_TIMEOUT"]
@@ -52,9 +63,8 @@ DEFAULT_TIMEOUT: float = _env.default("CUPYCOMM_TIMEOUT")
 Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment variable."""
 
 Op = Union[ReduceOp, str]
-# The default op is the plain string: a str subclass (a ReduceOp member) is hashed by a slow
-# generic path in every table lookup, and this lookup is on every collective's call path.
 _SUM = "sum"
+_HOST = np.ndarray   # arrays of exactly this type may take the prepared calls (see below)
 
 
 class Communicator(Dispatch, Validation):
@@ -91,7 +101,8 @@ class Communicator(Dispatch, Validation):
           lazily): read by ``_dispatch`` (which adds array types to ``_backends`` and loads
           ``_cupy``), ``coalesce`` and ``faults.debug`` (the host backend's control calls).
         - ``_batch`` (the open ``batch()`` block) and ``_closed``: read by ``_dispatch`` and
-          ``_validate``.
+          ``_validate``. ``_prepared``: the host's prepared calls, off while a batch() block
+          is open and once closed.
         - ``_tracker`` (the watchdog's :class:`~cupycomm.faults.watchdog.Tracker`):
           ``objects`` counts its calls there; ``faults.debug`` reads the count.
         - ``_staging``: ``coalesce``'s buffers; ``_objects``: ``objects``' pickle transport (a
@@ -113,6 +124,7 @@ class Communicator(Dispatch, Validation):
         if self.size > 1:
             watch(self._tracker)
         self._host = MPIBackend(mpi_comm, self._tracker)
+        self._prepared = PreparedCalls(self._host)
         self._backends: dict = {np.ndarray: self._host}
         self._joined = JoinedShapes(self.size)
         self._device_choice = device
@@ -202,14 +214,23 @@ class Communicator(Dispatch, Validation):
             x = numpy.array([1, 2]) + 2 * comm.rank   # Rank 0: [1, 2]  Rank 1: [3, 4]
             comm.all_reduce(x, op="max")              # Rank 0: [3, 4]  Rank 1: [3, 4]
         """
+        if (type(x) is _HOST and not async_op and stream is None
+                and (flags := x.flags).c_contiguous
+                and (flags.writeable if out is None else
+                     type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
+                     and (flags := out.flags).c_contiguous and flags.writeable)):
+            try:
+                run = self._prepared["all_reduce", x.dtype, op]
+            except TypeError:   # an unhashable op: the general path says what is wrong
+                run = None
+            if run is not None:
+                return run(x, x if out is None else out)
         b, x, spec = self._take("all_reduce", "x", x, op, writes=out is None)
         if stream is not None:
             self._check_stream("all_reduce", b, stream)
         if out is None:
             out = x
-        elif not (type(out) is type(x) and out.dtype is x.dtype and out.shape == x.shape
-                  and b.device_id is None and (flags := out.flags).c_contiguous
-                  and flags.writeable):   # the common case, inline
+        else:
             out = self._check_out("all_reduce", "out", b, out, x, (x.shape,))
         return b.all_reduce(x, out, spec, async_op, stream)
 
@@ -224,6 +245,17 @@ class Communicator(Dispatch, Validation):
             x = numpy.array([1, 2]) * (comm.rank + 1)
             comm.reduce(x, root=0)   # Rank 0: array([3, 6])   Rank 1: None
         """
+        if (type(x) is _HOST and not async_op and stream is None and type(root) is int
+                and 0 <= root < self.size and (flags := x.flags).c_contiguous
+                and (flags.writeable if out is None else
+                     type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
+                     and (flags := out.flags).c_contiguous and flags.writeable)):
+            try:
+                run = self._prepared["reduce", x.dtype, op]
+            except TypeError:   # an unhashable op: the general path says what is wrong
+                run = None
+            if run is not None:
+                return run(x, (x if out is None else out) if root == self.rank else None, root)
         b, x, spec = self._take("reduce", "x", x, op, writes=out is None)
         if stream is not None:
             self._check_stream("reduce", b, stream)
@@ -245,6 +277,12 @@ class Communicator(Dispatch, Validation):
             x = numpy.arange(3) if comm.rank == 0 else numpy.empty(3, int)
             comm.broadcast(x, root=0)   # Rank 0: [0, 1, 2]  Rank 1: [0, 1, 2]
         """
+        if (type(x) is _HOST and not async_op and stream is None and type(root) is int
+                and 0 <= root < self.size and (flags := x.flags).c_contiguous
+                and flags.writeable):
+            run = self._prepared["broadcast", x.dtype, None]
+            if run is not None:
+                return run(x, root)
         b, x, spec = self._take("broadcast", "x", x, writes=True)
         if stream is not None:
             self._check_stream("broadcast", b, stream)
@@ -263,6 +301,15 @@ class Communicator(Dispatch, Validation):
             g = comm.all_gather(numpy.array([comm.rank, 10]))
             # Rank 0: array([[0, 10], [1, 10]])   Rank 1: the same
         """
+        if (type(x) is _HOST and not async_op and stream is None
+                and x.flags.c_contiguous
+                and (out is None or type(out) is _HOST and out.dtype is x.dtype
+                     and out.shape in self._joined[x.shape]
+                     and (flags := out.flags).c_contiguous and flags.writeable)):
+            run = self._prepared["all_gather", x.dtype, None]
+            if run is not None:
+                return run(x, np.empty(self._joined[x.shape][0], x.dtype) if out is None
+                           else out)
         b, x, spec = self._take("all_gather", "x", x)
         if stream is not None:
             self._check_stream("all_gather", b, stream)
@@ -291,6 +338,18 @@ class Communicator(Dispatch, Validation):
             x = numpy.array([1, 2, 3, 4]) * (comm.rank + 1)
             comm.reduce_scatter(x)   # Rank 0: array([3, 6])   Rank 1: array([9, 12])
         """
+        if (type(x) is _HOST and not async_op and stream is None and x.flags.c_contiguous
+                and x.ndim and not x.shape[0] % self.size
+                and (out is None or type(out) is _HOST and out.dtype is x.dtype
+                     and out.shape == (x.shape[0] // self.size,) + x.shape[1:]
+                     and (flags := out.flags).c_contiguous and flags.writeable)):
+            try:
+                run = self._prepared["reduce_scatter", x.dtype, op]
+            except TypeError:   # an unhashable op: the general path says what is wrong
+                run = None
+            if run is not None:
+                return run(x, np.empty((x.shape[0] // self.size,) + x.shape[1:], x.dtype)
+                           if out is None else out)
         if isinstance(x, (list, tuple)):
             return self._reduce_scatter_list(x, op, out, async_op, stream)
         b, x, spec = self._take("reduce_scatter", "x", x, op)
@@ -342,6 +401,15 @@ class Communicator(Dispatch, Validation):
             comm.all_to_all(x, in_splits=[2, 0] if comm.rank == 0 else [1, 1])
             # Rank 0: [10, 11, 20]   Rank 1: [21]
         """
+        if (type(x) is _HOST and not async_op and stream is None and in_splits is None
+                and out_splits is None and x.flags.c_contiguous and x.ndim
+                and not x.shape[0] % self.size
+                and (out is None or type(out) is _HOST and out.dtype is x.dtype
+                     and out.shape == x.shape and (flags := out.flags).c_contiguous
+                     and flags.writeable)):
+            run = self._prepared["all_to_all", x.dtype, None]
+            if run is not None:
+                return run(x, np.empty(x.shape, x.dtype) if out is None else out)
         b, x, spec = self._take("all_to_all", "x", x)
         if stream is not None:
             self._check_stream("all_to_all", b, stream)
@@ -411,6 +479,15 @@ class Communicator(Dispatch, Validation):
             comm.scatter(x, root=0, out=numpy.empty(2, int))
             # Rank 0: array([1, 2])   Rank 1: array([3, 4])
         """
+        if (type(out) is _HOST and not async_op and stream is None and type(root) is int
+                and 0 <= root < self.size and (flags := out.flags).c_contiguous
+                and flags.writeable
+                and (x is None and root != self.rank
+                     or type(x) is _HOST and x.dtype is out.dtype
+                     and x.shape in self._joined[out.shape] and x.flags.c_contiguous)):
+            run = self._prepared["scatter", out.dtype, None]
+            if run is not None:
+                return run(x if root == self.rank else None, out, root)
         b, out, spec = self._take("scatter", "out", out, writes=True)
         if stream is not None:
             self._check_stream("scatter", b, stream)
@@ -432,6 +509,18 @@ class Communicator(Dispatch, Validation):
             comm.gather(numpy.array([comm.rank]), root=0)
             # Rank 0: array([[0], [1]])   Rank 1: None
         """
+        if (type(x) is _HOST and not async_op and stream is None and type(root) is int
+                and 0 <= root < self.size and x.flags.c_contiguous
+                and (out is None or type(out) is _HOST and out.dtype is x.dtype
+                     and out.shape in self._joined[x.shape]
+                     and (flags := out.flags).c_contiguous and flags.writeable)):
+            run = self._prepared["gather", x.dtype, None]
+            if run is not None:
+                if root != self.rank:
+                    out = None
+                elif out is None:
+                    out = np.empty(self._joined[x.shape][0], x.dtype)
+                return run(x, out, root)
         b, x, spec = self._take("gather", "x", x)
         if stream is not None:
             self._check_stream("gather", b, stream)
@@ -477,6 +566,14 @@ class Communicator(Dispatch, Validation):
             comm.sendrecv(numpy.array([comm.rank]), right, numpy.empty(1, int), left)
             # Rank 0: array([1])   Rank 1: array([0])
         """
+        size = self.size
+        if (type(x) is _HOST and not async_op and stream is None and type(dst) is int
+                and type(src) is int and 0 <= dst < size and 0 <= src < size
+                and x.flags.c_contiguous and type(buf) is _HOST and buf.dtype is x.dtype
+                and (flags := buf.flags).c_contiguous and flags.writeable):
+            run = self._prepared["sendrecv", x.dtype, None]
+            if run is not None:
+                return run(x, dst, buf, src)
         self._check_rank("sendrecv", "dst", dst)
         self._check_rank("sendrecv", "src", src)
         b, x, spec = self._take("sendrecv", "x", x, collective=False)
@@ -520,12 +617,15 @@ class Communicator(Dispatch, Validation):
         for backend in backends:
             backend.begin_group(group)
         self._batch = group
+        self._prepared.disable()   # every call inside is queued by the general path
         cancel = True   # unless the block ends without an exception
         try:
             yield group
             cancel = False
         finally:
             self._batch = None
+            if not self._closed:
+                self._prepared.enable()
             for backend in backends:
                 backend.end_group(group, cancel)
 
@@ -652,6 +752,7 @@ class Communicator(Dispatch, Validation):
             return
         self._closed = True
         self._backends = {}
+        self._prepared.disable()
         try:   # calls still in flight are waited for while the watchdog still looks
             if not MPI.Is_finalized():
                 self._host.close()

@@ -8,7 +8,7 @@ followed by a division on the receiving ranks.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -18,7 +18,7 @@ from .._dtypes import DTYPES, ReduceOp
 from .._parts import offsets
 from ..work import HostWork
 
-__all__ = ["MPIBackend"]
+__all__ = ["MPIBackend", "PreparedCalls"]
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
@@ -68,6 +68,120 @@ def _tables() -> tuple:
 
 
 _MOVEMENTS, _REDUCTIONS = _tables()
+
+
+_NO_SPEC = (None, None, False, None)
+
+
+# -- prepared calls: one maker per shape of MPI call. The watchdog's marks are written out in
+# each (``seq`` counts the call, ``busy`` names it while it blocks; see faults/watchdog.py):
+# a shared helper would cost every call one more interpreter frame.
+def _paired(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
+    """``call(send, recv[, op])``: all_reduce (in place when ``recv is x``),
+    reduce_scatter, all_gather, all_to_all."""
+    call = getattr(backend._comm, _MPI_CALLS[name])
+    tail = () if op is None else (op,)
+    tracker = backend._tracker
+
+    def run(x, recv):
+        tracker.seq += 1
+        tracker.busy = name
+        try:
+            call(_IN_PLACE if recv is x else [x, datatype], [recv, datatype], *tail)
+        finally:
+            tracker.busy = None
+        return recv
+    return run
+
+
+def _rooted(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
+    """``call(send, recv[, op], root)``: reduce, gather (``recv`` None off the root), scatter
+    (``x`` None off the root); the root reduces in place when ``recv is x``."""
+    call = getattr(backend._comm, _MPI_CALLS[name])
+    tail = () if op is None else (op,)
+    tracker = backend._tracker
+
+    def run(x, recv, root):
+        send = (None if x is None else _IN_PLACE if recv is x and op is not None
+                else [x, datatype])
+        tracker.seq += 1
+        tracker.busy = name
+        try:
+            call(send, None if recv is None else [recv, datatype], *tail, root)
+        finally:
+            tracker.busy = None
+        return recv
+    return run
+
+
+def _broadcast(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
+    call = backend._comm.Bcast
+    tracker = backend._tracker
+
+    def run(x, root):
+        tracker.seq += 1
+        tracker.busy = name
+        try:
+            call([x, datatype], root)
+        finally:
+            tracker.busy = None
+        return x
+    return run
+
+
+def _sendrecv(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
+    call = backend._comm.Sendrecv
+    tracker = backend._tracker
+
+    def run(x, dst, buf, src):
+        tracker.seq += 1
+        tracker.busy = name
+        try:
+            call([x, datatype], dst, 0, [buf, datatype], src, 0)
+        finally:
+            tracker.busy = None
+        return buf
+    return run
+
+
+_MPI_CALLS = {"all_reduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block",
+              "all_gather": "Allgather", "all_to_all": "Alltoall", "reduce": "Reduce",
+              "gather": "Gather", "scatter": "Scatter"}
+_PREPARED: Dict[str, Callable] = {
+    "all_reduce": _paired, "reduce_scatter": _paired, "all_gather": _paired,
+    "all_to_all": _paired, "reduce": _rooted, "gather": _rooted, "scatter": _rooted,
+    "broadcast": _broadcast, "sendrecv": _sendrecv}
+
+
+class PreparedCalls(dict):
+    """(collective, dtype, op) -> the backend's prepared blocking call (or None where it has
+    none), made on first use and then only looked up. ``enabled`` False (a ``batch()`` block
+    is open, or the communicator closed): every lookup answers None, so that every call
+    takes the general path.
+
+    Example::
+
+        run = PreparedCalls(backend)["all_reduce", numpy.dtype("float32"), "sum"]
+        run(x, x)   # Allreduce(IN_PLACE, [x, MPI.FLOAT], MPI.SUM), watched
+    """
+
+    def __init__(self, backend: "MPIBackend") -> None:
+        super().__init__()
+        self._backend = backend
+        self.enabled = True
+
+    def __missing__(self, key: tuple) -> Optional[Callable]:
+        if not self.enabled:
+            return None
+        run = self[key] = self._backend.prepare(*key)
+        return run
+
+    def disable(self) -> None:
+        self.enabled = False
+        self.clear()
+
+    def enable(self) -> None:
+        self.enabled = True
 
 
 class MPIBackend:
@@ -140,6 +254,29 @@ class MPIBackend:
             for dst, src in pairs:
                 dst[...] = src
         return finish
+
+    # -- prepared blocking calls: the Communicator's fast path ------------------------------------
+    def prepare(self, name: str, dtype: np.dtype, op: Any = None) -> Optional[Callable]:
+        """The blocking call of collective ``name`` on arrays of ``dtype`` (reduced with
+        ``op``), made once and kept by the Communicator (:class:`PreparedCalls`): the typed
+        mpi4py call with its datatype and op bound, inside the watchdog's marks. None where a
+        call needs more (a dtype MPI takes as a carrier view, an average to divide) or the
+        dtype or op is not valid: the general path (the methods below) does those, and says
+        what is wrong. Arguments, checked by the caller: ``(x, recv)``, ``recv is x`` in
+        place; rooted calls ``(x, recv, root)``, ``recv`` or ``x`` None where the rank does
+        not use it; broadcast ``(x, root)``; sendrecv ``(x, dst, buf, src)``."""
+        make = _PREPARED.get(name)
+        if make is None:
+            return None
+        if op is None:
+            if dtype not in _MOVEMENTS or _MOVEMENTS[dtype] is not None:
+                return None
+            datatype, mpi_op = _BYTE, None
+        else:
+            datatype, mpi_op, avg, view = self.reductions.get(dtype, {}).get(op, _NO_SPEC)
+            if datatype is None or avg or view is not None:
+                return None
+        return make(self, name, datatype, mpi_op)
 
     # -- collectives ------------------------------------------------------------------------------
     # The movement spec, and ``view`` in a reduction's spec, is None for the dtypes MPI takes

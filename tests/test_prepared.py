@@ -1,0 +1,132 @@
+"""The host's prepared calls (the fast path of a synchronous call on NumPy arrays): every
+collective takes them on its common case and gives the general path's result, and every bad
+input of the bad-input suite is still refused, before any communication, while they are
+ready for every (collective, dtype, op)."""
+import numpy as np
+import pytest
+
+import cupycomm
+from arrays import HOST, all_inputs, rank_input
+from test_validation import CASES, READ_ONLY_CASES
+
+F8 = np.float64
+
+
+def _refuse(*args):
+    raise AssertionError("the general path ran where the prepared call should have")
+
+
+@pytest.fixture
+def host(request):
+    with HOST.comm() as comm:
+        yield comm
+
+
+def ring(comm):
+    return (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+
+# name -> (the call on rank-known float64 inputs of 2 * size elements, its NumPy reference)
+def common_calls(comm):
+    n, r, size = 2 * comm.size, comm.rank, comm.size
+    mine = lambda: rank_input(r, (n,), F8)
+    every = all_inputs(size, (n,), F8)
+    right, left = ring(comm)
+    part = n // size
+    return {
+        "all_reduce": (lambda: comm.all_reduce(mine()), every.sum(0)),
+        "all_reduce out": (lambda: comm.all_reduce(mine(), out=np.empty(n)), every.sum(0)),
+        "reduce": (lambda: comm.reduce(mine(), root=0, op="max"),
+                   every.max(0) if r == 0 else None),
+        "broadcast": (lambda: comm.broadcast(mine(), root=size - 1), every[size - 1]),
+        "all_gather": (lambda: comm.all_gather(mine()), every),
+        "all_gather out": (lambda: comm.all_gather(mine(), out=np.empty(n * size)),
+                           every.reshape(-1)),
+        "reduce_scatter": (lambda: comm.reduce_scatter(mine()),
+                           every.sum(0)[r * part:(r + 1) * part]),
+        "all_to_all": (lambda: comm.all_to_all(mine(), out=np.empty(n)),
+                       np.concatenate([every[j, r * part:(r + 1) * part] for j in range(size)])),
+        "gather": (lambda: comm.gather(mine(), root=0), every if r == 0 else None),
+        "scatter": (lambda: comm.scatter(every[0] if r == 0 else None, 0,
+                                         out=np.empty(part)), every[0, r * part:(r + 1) * part]),
+        "sendrecv": (lambda: comm.sendrecv(mine(), right, np.empty(n), left), every[left]),
+    }
+
+
+NAMES = ["all_reduce", "all_reduce out", "reduce", "broadcast", "all_gather", "all_gather out",
+         "reduce_scatter", "all_to_all", "gather", "scatter", "sendrecv"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_common_case_takes_the_prepared_call(host, name, monkeypatch):
+    """With the backend's general methods made to fail, the common case still works: it ran
+    the prepared call, and gave the NumPy reference."""
+    call, expected = common_calls(host)[name]
+    monkeypatch.setattr(host._host, name.split()[0], _refuse)
+    got = call()
+    if expected is None:
+        assert got is None
+    else:
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_a_reduce_op_member_takes_the_same_prepared_call_as_its_string(host):
+    x = rank_input(host.rank, (3,), F8)
+    host.all_reduce(x.copy(), op="max")
+    ready = dict(host._prepared)
+    got = host.all_reduce(x.copy(), op=cupycomm.ReduceOp.MAX)
+    assert dict(host._prepared) == ready   # no new entry: the member found the string's
+    np.testing.assert_array_equal(got, all_inputs(host.size, (3,), F8).max(0))
+
+
+def test_async_batch_and_close_take_the_general_path(host):
+    x = np.ones(2)
+    assert isinstance(host.all_reduce(x, async_op=True), cupycomm.Work)
+    with host.batch():
+        work = host.all_reduce(np.ones(2))
+        assert isinstance(work, cupycomm.Work)
+    np.testing.assert_array_equal(work.wait(), np.full(2, float(host.size)))
+    np.testing.assert_array_equal(host.all_reduce(np.ones(2)), np.full(2, float(host.size)))
+    host.close()
+    with pytest.raises(cupycomm.CommClosedError):
+        host.all_reduce(np.ones(2))
+
+
+class _Tripwires(dict):
+    """Prepared calls that fail the test if they run: a stand-in for ``comm._prepared`` whose
+    every key with a real prepared call answers a tripwire."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self._backend = backend
+
+    def __missing__(self, key):
+        return _refuse if self._backend.prepare(*key) is not None else None
+
+    def disable(self):
+        pass
+
+    def enable(self):
+        pass
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_the_bad_input_suite_is_refused_while_prepared_calls_are_ready(host, case):
+    """Every bad input of tests/test_validation.py (host arrays): the same error, before any
+    communication, and no prepared call runs for it."""
+    _, call, kind, pattern = case
+    host._prepared = _Tripwires(host._host)
+    seq = host._tracker.seq
+    with pytest.raises(kind, match=pattern):
+        call(host, HOST)
+    assert host._tracker.seq == seq, "communication started before the error"
+
+
+@pytest.mark.parametrize("name,arg,call", READ_ONLY_CASES,
+                         ids=[f"{n}-{a}-{i}" for i, (n, a, _) in enumerate(READ_ONLY_CASES)])
+def test_read_only_results_are_refused_while_prepared_calls_are_ready(host, name, arg, call):
+    if name == "recv" and host.size < 2:
+        pytest.skip("recv needs 2 ranks (a rank cannot receive from itself); ran with 1")
+    host._prepared = _Tripwires(host._host)
+    with pytest.raises(ValueError, match=f"{name}: {arg} is read-only, but {name} writes"):
+        call(host)
