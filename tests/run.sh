@@ -20,15 +20,29 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
     # shellcheck disable=SC1091
     . .venv/bin/activate
 fi
-python -m pip install -q --upgrade pip
-# The CUDA extra only where no CuPy is installed yet: a GPU machine set up with '.[cuda13]'
-# keeps its CuPy; elsewhere cuda12 (it imports without a GPU, and CUDA 13 drivers run it).
-extras=test
-python -c 'import cupy' 2>/dev/null || extras=$extras,cuda12
-if [ -z "${MPIEXEC:-}" ] && ! command -v mpiexec >/dev/null; then
-    extras=$extras,mpich
+# Set-up, skipped where it is done (cupycomm installed from this checkout, with the test
+# extra's packages, CuPy and an MPI): CI runs this once per MPI and Python.
+installed() {
+    python -I - "$PWD" <<'EOF' 2>/dev/null   # -I: not this directory's egg-info
+import importlib.metadata, json, sys
+import cupy, matplotlib, ml_dtypes, pytest  # noqa: F401 (the test extra's, and CuPy)
+source = json.loads(importlib.metadata.distribution("cupycomm").read_text("direct_url.json"))
+sys.exit(source["url"] != "file://" + sys.argv[1])
+EOF
+}
+has_mpi() {
+    [ -n "${MPIEXEC:-}" ] || command -v mpiexec >/dev/null
+}
+if ! installed || ! has_mpi; then
+    python -m pip install -q --upgrade pip
+    # The CUDA extra only where no CuPy is installed yet: a GPU machine set up with
+    # '.[cuda13]' keeps its CuPy; elsewhere cuda12 (it imports without a GPU, and CUDA 13
+    # drivers run it).
+    extras=test
+    python -c 'import cupy' 2>/dev/null || extras=$extras,cuda12
+    has_mpi || extras=$extras,mpich
+    python -m pip install -q -e ".[$extras]"
 fi
-python -m pip install -q -e ".[$extras]"
 python -m cupycomm.launchers   # which launcher the passes use, and its version
 
 status=0
@@ -36,7 +50,7 @@ run() {
     echo "+ $*"
     "$@" || status=$?
 }
-read -r -a tests <<< "${TESTS:-tests}"
+read -r -d '' -a tests <<< "${TESTS:-tests}" || true   # words, across lines
 # A hard bound on each pass on top of the plugin's per-test timeout: nothing can hang CI.
 for n in ${RANKS:-1 2 3 4}; do
     if [ "$n" = 1 ]; then
