@@ -48,7 +48,8 @@ def main() -> None:
     options = no_auto_cleanup()
     launcher = launchers.find()
     first = MPI.Get_library_version().splitlines()[0].split(",")[0]
-    library = " ".join(first.replace("Version:", "").split())
+    library = " ".join(first.replace("Version:", "").replace("Intel(R) MPI Library", "Intel MPI")
+                       .replace("for Linux* OS", "").split())
     name = f"{launcher.kind} ({library}){' ' if options else ''}{' '.join(options)}"
     if not args.no_header:
         print("| launcher | fault | exit status | worst time | what names the culprit |")
