@@ -20,7 +20,8 @@ every rank:
 The file also holds the versions (cupycomm, Python, NumPy, mpi4py, the MPI library and the
 launcher, CuPy, the CUDA driver and runtime, NCCL, torch), the ``NCCL_*``/``CUDA_*``/
 ``CUPYCOMM_*`` variables, and the topology (nodes, GPUs per node, ranks per GPU, and per rank
-its host and GPU). Without a GPU the report says so plainly (``gpu.found`` false, and why)
+its host and GPU), and notes: where ranks share a GPU without setting what NCCL needs for
+that (``NCCL_MULTI_RANK_GPU_ENABLE=1`` or a ``NCCL_HOSTID`` each). Without a GPU the report says so plainly (``gpu.found`` false, and why)
 and holds the host lines, versions and topology.
 
 Exit status of :func:`run` (and of the command): :data:`EXIT_PASSED` (0) every line passed or
@@ -135,19 +136,39 @@ def _gpu_of(comm: cupycomm.Communicator, cupy: Any, why: str) -> Dict[str, Any]:
 
 
 def _topology(comm: cupycomm.Communicator, gpu: Dict[str, Any]) -> Dict[str, Any]:
-    ranks = comm.mpi_comm.allgather({"host": node_name(),
-                                     "local_rank": comm.local_rank, **gpu})
+    ranks = comm.mpi_comm.allgather({
+        "host": node_name(), "local_rank": comm.local_rank, **gpu,
+        "nccl_hostid": os.environ.get("NCCL_HOSTID", ""),
+        "nccl_multi_rank_gpu": os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"})
     gpus_per_node: Dict[str, int] = {}
     ranks_per_gpu: Dict[str, int] = {}
-    for rank in ranks:
-        gpus_per_node[rank["host"]] = max(gpus_per_node.get(rank["host"], 0), rank["visible"])
-        if rank["found"]:
-            key = f"{rank['host']}:{rank.get('pci_bus_id', rank['device'])}"
-            ranks_per_gpu[key] = ranks_per_gpu.get(key, 0) + 1
     for j, rank in enumerate(ranks):
         rank["rank"] = j
+        gpus_per_node[rank["host"]] = max(gpus_per_node.get(rank["host"], 0), rank["visible"])
+        # one physical GPU: its node and PCI bus id (device numbers depend on CUDA_VISIBLE_DEVICES)
+        rank["gpu"] = (f"{rank['host']}:{rank.get('pci_bus_id', rank['device'])}"
+                       if rank["found"] else "")
+        if rank["found"]:
+            ranks_per_gpu[rank["gpu"]] = ranks_per_gpu.get(rank["gpu"], 0) + 1
     return {"ranks": comm.size, "nodes": len(gpus_per_node), "gpus_per_node": gpus_per_node,
             "ranks_per_gpu": ranks_per_gpu, "per_rank": ranks}
+
+
+def _sharing_notes(topology: Dict[str, Any]) -> List[str]:
+    """Why NCCL may refuse the ranks that share a GPU: "Duplicate GPU detected" unless every
+    one of them allows it (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL 2.30+) or has a host id of its
+    own (NCCL_HOSTID)."""
+    notes = []
+    for gpu, count in topology["ranks_per_gpu"].items():
+        ranks = [r for r in topology["per_rank"] if r["gpu"] == gpu]
+        allowed = all(r["nccl_multi_rank_gpu"] for r in ranks)
+        distinct = len({r["nccl_hostid"] for r in ranks if r["nccl_hostid"]}) == count
+        if count > 1 and not allowed and not distinct:
+            notes.append(f"ranks {[r['rank'] for r in ranks]} share GPU {gpu}: NCCL refuses "
+                         f"that (Duplicate GPU detected) unless each sets "
+                         f"NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30 or newer) or its own "
+                         f"NCCL_HOSTID (benchmarks/with_hostid)")
+    return notes
 
 
 # -- the device features ------------------------------------------------------------------------------
@@ -350,6 +371,9 @@ def report(comm: cupycomm.Communicator, *, device_module: Any = None,
             f"rank {j}: {g['why']}" for j, g in enumerate(comm.mpi_comm.allgather(gpu))
             if not g["found"])},
         "lines": [], "benchmark": []}
+    found["notes"] = _sharing_notes(found["topology"])
+    for note in found["notes"]:
+        say(f"  note: {note}")
     found["versions"] = comm.mpi_comm.bcast(found["versions"], root=0)
 
     def section(area: str, checks: List[Tuple[str, Check]], synchronize=lambda: None) -> None:

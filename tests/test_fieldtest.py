@@ -119,6 +119,35 @@ def test_without_a_gpu_the_report_says_so_keeps_the_host_part_and_exits_3(monkey
     assert found["versions"]["mpi_kind"] == launchers.library_kind(MPI.Get_library_version())
 
 
+def test_ranks_sharing_a_gpu_without_nccls_leave_fail_and_the_report_says_why(
+        monkeypatch, standin_comm):
+    """As NCCL, the stand-in refuses ranks of one host on one GPU unless each allows it."""
+    monkeypatch.setattr(sd, "SHARED_GPUS", True)
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)
+    found = quick_report(standin_comm)
+    size = standin_comm.size
+    device = [line for line in found["lines"] if line["area"] == "device"]
+    if size == 1:
+        assert found["notes"] == [] and all(line["verdict"] == "pass" for line in device)
+        return
+    assert found["notes"] == [
+        f"ranks {list(range(size))} share GPU {found['topology']['per_rank'][0]['gpu']}: NCCL "
+        f"refuses that (Duplicate GPU detected) unless each sets NCCL_MULTI_RANK_GPU_ENABLE=1 "
+        f"(NCCL 2.30 or newer) or its own NCCL_HOSTID (benchmarks/with_hostid)"]
+    assert device[0]["verdict"] == "fail" and "Duplicate GPU" in device[0]["detail"]
+    assert found["exit_status"] == fieldtest.EXIT_FAILED
+
+
+def test_ranks_sharing_a_gpu_with_nccls_leave_pass(monkeypatch, standin_comm):
+    monkeypatch.setattr(sd, "SHARED_GPUS", True)
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    found = quick_report(standin_comm)
+    assert found["notes"] == [] and found["exit_status"] == fieldtest.EXIT_PASSED
+    assert found["topology"]["ranks_per_gpu"] == {
+        found["topology"]["per_rank"][0]["gpu"]: standin_comm.size}
+
+
 def test_an_unwritable_report_file_is_exit_status_2_before_anything_runs(tmp_path, capsys):
     assert main(["--report", str(tmp_path / "no" / "such" / "dir.json")]) == 2
     if MPI.COMM_WORLD.Get_rank() == 0:
