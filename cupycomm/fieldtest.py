@@ -340,9 +340,9 @@ def _benchmark(comm: cupycomm.Communicator, stand_in: bool, sizes: Sequence[int]
 
 
 # -- the report -----------------------------------------------------------------------------------
-def _lines(area: str, found: Sequence[Verdict]) -> List[Dict[str, Any]]:
-    return [{"area": area, "name": v.name, "verdict": v.verdict, "detail": v.detail,
-             "failed_on": list(v.failed_on), "ms": round(v.seconds * 1e3, 3)} for v in found]
+def _line(area: str, v: Verdict) -> Dict[str, Any]:
+    return {"area": area, "name": v.name, "verdict": v.verdict, "detail": v.detail,
+            "failed_on": list(v.failed_on), "ms": round(v.seconds * 1e3, 3)}
 
 
 def report(comm: cupycomm.Communicator, *, device_module: Any = None,
@@ -364,7 +364,8 @@ def report(comm: cupycomm.Communicator, *, device_module: Any = None,
         "report": "cupycomm field test", "format": 1,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(getattr(sys, "orig_argv", sys.argv)),
-        "versions": _versions(cupy, why) if comm.rank == 0 else {},   # rank 0's, sent below
+        # rank 0's (sent below; what differs per rank is in the topology)
+        "versions": _versions(cupy, why) if comm.rank == 0 else {},
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_VARIABLES)},
         "topology": _topology(comm, gpu),
         "gpu": {"found": with_gpu, "why": "" if with_gpu else next(
@@ -374,11 +375,12 @@ def report(comm: cupycomm.Communicator, *, device_module: Any = None,
     found["notes"] = _sharing_notes(found["topology"])
     for note in found["notes"]:
         say(f"  note: {note}")
-    found["versions"] = comm.mpi_comm.bcast(found["versions"], root=0)
+    found["versions"], found["environment"] = comm.mpi_comm.bcast(
+        (found["versions"], found["environment"]), root=0)
 
     def section(area: str, checks: List[Tuple[str, Check]], synchronize=lambda: None) -> None:
         for v in verdicts(comm, checks, synchronize):
-            found["lines"].extend(_lines(area, [v]))
+            found["lines"].append(_line(area, v))
             say(f"  {area:9s} {v.name:34s} {v.seconds * 1e3:9.2f} ms  {v.verdict.upper()}"
                 + (f": {v.detail}" if v.detail else ""))
 
