@@ -1,4 +1,5 @@
-"""Fixtures shared by the suite: the array library of a test and a fresh communicator for it.
+"""Fixtures shared by the suite: the array library of a test and a communicator for it (fresh,
+except on a real GPU, where the tests of one module share one while they pass).
 
 With ``CUPYCOMM_RECORD_CALL_SHAPES=<directory>``, every call cupycomm makes on the stand-in is
 recorded as a call shape, written there when the session ends (see tests/conformance).
@@ -6,14 +7,22 @@ recorded as a call shape, written there when the session ends (see tests/conform
 import os
 
 import pytest
+from mpi4py import MPI
 
 import nccl_standin
-from arrays import STANDIN, lib_params
+from arrays import GPU, STANDIN, lib_params
 from conformance import shapes
 from cupycomm.testing import release
 
 _SHAPES_DIRECTORY = os.environ.get(shapes.ENVIRONMENT_VARIABLE)
 _RECORDER = shapes.install(nccl_standin) if _SHAPES_DIRECTORY else None
+
+# On a real GPU each NCCL communicator costs its creation (on one GPU shared by 4 ranks, most of
+# benchmarks/gpu_validate's time): the `comm` tests of one module share one, until a test fails
+# on some rank, closes it or leaves its NCCL communicator aborted.
+_shared_gpu_comm: dict = {}   # test module name -> communicator
+# where the ranks agree whether the shared one can be reused (no GPU: nothing to agree on)
+_AGREE = MPI.COMM_WORLD.Dup() if GPU is not None else None
 
 
 def pytest_sessionfinish(session):
@@ -29,14 +38,44 @@ def lib(request):
 
 @pytest.fixture
 def comm(lib, request):
-    """A fresh communicator over every rank, for ``lib``'s arrays, its NCCL communicator
-    created up front for device libraries (so point-to-point works at once); closed after
-    the test, or kept if it failed (see cupycomm.testing.release)."""
+    """A communicator over every rank, for ``lib``'s arrays, its NCCL communicator created up
+    front for device libraries (so point-to-point works at once); closed after the test, or
+    kept if it failed (see cupycomm.testing.release). Fresh for each test, except on a real
+    GPU (see ``_shared_gpu``)."""
+    if lib.name == "gpu":
+        yield from _shared_gpu(lib, request)
+        return
     communicator = lib.comm()
     if lib.is_device:
         communicator.init_device()
     yield communicator
     release(request, communicator, communicator.close)
+
+
+def _shared_gpu(lib, request):
+    """The module's shared GPU communicator, or a new one where it cannot be reused on some
+    rank (the ranks agree first: making one is collective)."""
+    module = request.module.__name__
+    shared = _shared_gpu_comm.pop(module, None)
+    usable = shared is not None and not shared.closed and not shared.init_device()._aborted
+    if not _AGREE.allreduce(usable, op=MPI.LAND):   # (dropped where unusable: kept unfreed,
+        shared = lib.comm()                         # as release keeps a failed test's)
+        shared.init_device()
+    yield shared
+    passed = []
+    release(request, shared, lambda: passed.append(True))
+    if passed:
+        _shared_gpu_comm[module] = shared
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_shared_gpu_comm(request):
+    yield
+    if _AGREE is None:
+        return
+    shared = _shared_gpu_comm.pop(request.module.__name__, None)
+    if _AGREE.allreduce(shared is not None, op=MPI.LAND):
+        shared.close()
 
 
 @pytest.fixture

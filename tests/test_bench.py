@@ -31,6 +31,8 @@ from cupycomm.bench.report import (IN_PLACE, OUT_OF_PLACE, Row, bandwidths, form
 from cupycomm.bench.run import Progress, _case, _measure, command_line
 from cupycomm.bench.timing import against_first, interleaved, slowest_rank
 import cupycomm
+from cupycomm import _bootstrap
+from cupycomm.backends.nccl import library_version
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDIN_FILE = str(ROOT / "tests" / "nccl_standin.py")
@@ -547,14 +549,33 @@ def test_hostid_wrapper_gives_each_rank_its_own_nccl_hostid(variable):
     assert done.stdout.strip().endswith("-rank3")
 
 
-def test_gpu_validate_dry_run_plans_every_step():
-    done = _script(ROOT / "benchmarks" / "gpu_validate", "--dry-run")
+@pytest.mark.parametrize("share, wrapper", [("hostid", "benchmarks/with_hostid "),
+                                            ("multirank", "")])
+def test_gpu_validate_dry_run_plans_every_step(share, wrapper):
+    done = _script(ROOT / "benchmarks" / "gpu_validate", "--dry-run",
+                   env={"SHARE_GPU_BY": share})
     assert done.returncode == 0, done.stderr
     plan = done.stdout
-    assert "-m gpu" in plan
+    assert f"ranks share the GPU by {share} (NCCL_IB_DISABLE=1" in plan
+    assert ("NCCL_MULTI_RANK_GPU_ENABLE=1" in plan) == (share == "multirank")
+    first = plan.index("python -m cupycomm --report")
+    assert f"mpiexec -n 2 {wrapper}python -m cupycomm --report" in plan
+    assert "-m gpu" in plan and first < plan.index("-m gpu")   # the report first
     for n in (2, 3, 4):
-        assert f"mpiexec -n {n} benchmarks/with_hostid" in plan
+        assert f"mpiexec -n {n} {wrapper}python -m pytest -m gpu" in plan
     assert "--backend device --compare" in plan and "benchmarks/results/" in plan
+
+
+def test_gpu_validate_shares_the_gpu_as_the_nccl_version_allows():
+    """NCCL 2.30+ (as CuPy loads it) lets ranks share a GPU by NCCL_MULTI_RANK_GPU_ENABLE=1;
+    an older one, or none, gets a host id per rank."""
+    cupy = _bootstrap.import_cupy()
+    version = library_version(cupy) if cupy is not None else ""
+    newer = bool(version) and tuple(map(int, version.split("."))) >= (2, 30)
+    done = _script(ROOT / "benchmarks" / "gpu_validate", "--dry-run",
+                   env={"SHARE_GPU_BY": ""})
+    assert done.returncode == 0, done.stderr
+    assert f"ranks share the GPU by {'multirank' if newer else 'hostid'}" in done.stdout
 
 
 def _outside_mpiexec(**extra):

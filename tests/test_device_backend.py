@@ -313,3 +313,21 @@ def test_watchdog_aborts_a_stuck_device_communicator(capfd):
         comm._nccl.stream.deferred = False
         with pytest.raises(cupycomm.NcclError, match="was aborted"):
             comm.all_reduce(sd.asarray(np.ones(2)))
+
+
+def test_the_watchdogs_query_leaves_the_callers_current_device_alone(monkeypatch):
+    """CuPy's Device keeps the device to restore on the object: had the watchdog thread entered
+    the Device the main thread was inside, the main thread would leave it on the watchdog's
+    device (0), and rank 1's next arrays would be on the wrong GPU (the field-test report
+    found it, at random, as "x is on device 0 but the communicator uses device 1")."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    with STANDIN.comm(device=1) as comm:
+        backend = comm.init_device()
+        comm.device.use()
+        with backend._device:
+            watchdog = threading.Thread(target=backend.has_pending_work)
+            watchdog.start()
+            watchdog.join()
+        assert sd.Device.current_id() == 1
+        x = comm.xp.asarray(np.ones(2))
+        assert_equal(STANDIN, comm.all_reduce(x), np.full(2, float(comm.size)))

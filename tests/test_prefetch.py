@@ -224,6 +224,7 @@ def test_the_end_of_the_items_frees_the_staging_buffers():
 
 # -- real GPU -------------------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.mpi(max_size=1)   # a timing: not with every rank of a shared GPU at once
 @pytest.mark.skipif(GPU is None, reason=GPU_SKIP_REASON)
 def test_gpu_items_arrive_and_the_loop_overlaps_copies_with_compute():
     """Issue 7: with a compute step as long as the copy, the prefetching loop takes at most

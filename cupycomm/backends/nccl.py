@@ -146,6 +146,9 @@ class NcclBackend:
         self.array_type = cupy.ndarray
         self.device_id = device_id
         self._device = cuda.Device(device_id)
+        # The watchdog thread's own: a CuPy Device keeps the devices to restore on exit in the
+        # object, so one object entered by two threads can leave either on the other's device.
+        self._watchdog_device = cuda.Device(device_id)
         self._rank = mpi_comm.Get_rank()
         self._size = mpi_comm.Get_size()
         self._tracker = tracker
@@ -468,7 +471,7 @@ class NcclBackend:
             last = self._inflight[-1]._event if self._inflight else None
         except IndexError:   # emptied by the main thread meanwhile
             last = None
-        with _relaxed_capture_mode(self._runtime), self._device:
+        with _relaxed_capture_mode(self._runtime), self._watchdog_device:
             return not self._finished.done or (last is not None and not last.done)
 
     def async_error(self) -> str:

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from .._bootstrap import broadcast_unique_id
 from ..backends.nccl import library_version, nccl_module
+from ..selfcheck import gpu_name
 from .collectives import Call, Case, Collective, Runner
 from .timing import CudaEvents, HostClock
 
@@ -251,9 +252,10 @@ def _installed(name: str) -> bool:
         return False
 
 
-def device_setup(comm: Any, compare: bool, stand_in: bool) -> Setup:
-    """cupycomm on device arrays; with ``compare``, a raw NcclCommunicator, and (on real CuPy)
-    cupyx.distributed and torch.distributed where installed on every rank."""
+def device_setup(comm: Any, compare: bool, stand_in: bool, raw_only: bool = False) -> Setup:
+    """cupycomm on device arrays; with ``compare``, a raw NcclCommunicator, and (on real CuPy,
+    unless ``raw_only``) cupyx.distributed and torch.distributed where installed on every
+    rank."""
     xp = comm.xp   # makes this rank's device current
     comm.init_device()
     arrays = Arrays(xp, on_device=True)
@@ -269,15 +271,16 @@ def device_setup(comm: Any, compare: bool, stand_in: bool) -> Setup:
                       "barrier, then CUDA events on the current stream",
                       versions={"cupy": xp.__version__,
                                 "nccl": library_version(xp),
-                                "gpu": _gpu_name(xp, comm.device.id)})
+                                "gpu": gpu_name(xp, comm.device.id)})
     if not compare:
         return setup
     raw = _raw_nccl(comm, xp)
     setup.closers.append(raw.comm.destroy)
     setup.impls.append(Impl("nccl", raw, lambda row: row.nccl, stand_in=stand_in))
-    if stand_in:
-        setup.notes.append("cupyx.distributed and torch.distributed: not run on a stand-in "
-                           "(they need real CUDA)")
+    if stand_in or raw_only:
+        setup.notes.append("cupyx.distributed and torch.distributed: not run "
+                           + ("on a stand-in (they need real CUDA)" if stand_in else
+                              "(raw NcclCommunicator only)"))
         return setup
     if everywhere(comm, _installed("cupyx.distributed")):
         import cupyx.distributed
@@ -295,11 +298,6 @@ def device_setup(comm: Any, compare: bool, stand_in: bool) -> Setup:
         setup.notes.append("torch.distributed: torch with CUDA not installed on every rank, "
                            "not run")
     return setup
-
-
-def _gpu_name(xp: Any, device_id: int) -> str:
-    name = xp.cuda.runtime.getDeviceProperties(device_id)["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def _torch_has_cuda() -> bool:

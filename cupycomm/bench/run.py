@@ -32,7 +32,7 @@ from .report import (IN_PLACE, OUT_OF_PLACE, Row, bandwidths, environment, forma
                      format_versus, load_average, versus, write_csv, write_json)
 from .timing import against_first, interleaved, slowest_rank
 
-__all__ = ["main", "Progress"]
+__all__ = ["main", "Progress", "measure_collective"]
 
 
 def _not_a_file(stream: TextIO) -> bool:
@@ -256,7 +256,7 @@ def _run(world: MPI.Comm, command: str, opts: Options, module: Any, say: Any) ->
             for name in opts.collectives))
         rows: List[Row] = []
         for name in opts.collectives:
-            rows += _collective(ROWS[name], opts, comm, setup, progress, say)
+            rows += measure_collective(ROWS[name], opts, comm, setup, progress, say)
         return _finish(comm, rows, meta, setup, opts, say)
     finally:
         if setup is not None:
@@ -268,9 +268,10 @@ def _sizes(row: Collective, opts: Options, ranks: int) -> List[int]:
     return distinct_sizes(row, opts.sizes, opts.dtype.itemsize, ranks)
 
 
-def _collective(row: Collective, opts: Options, comm: Any, setup: Setup, progress: Progress,
-                say: Any) -> List[Row]:
-    """Every size and mode of one collective, then its table."""
+def measure_collective(row: Collective, opts: Options, comm: Any, setup: Setup,
+                       progress: Progress, say: Any) -> List[Row]:
+    """Every size and mode of one collective, measured and checked, then its table (through
+    ``say``); returns the rows. Collective. The field-test report calls it too."""
     notes: Dict[str, None] = {}
     rows: List[Row] = []
     for nbytes in _sizes(row, opts, comm.size):
