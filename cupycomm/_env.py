@@ -62,6 +62,9 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("CUPYCOMM_HEARTBEAT_TIMEOUT", _seconds, 5.0,
              "seconds without a heartbeat after which a node of a multi-node job is taken "
              "as dead (see docs/guide/many-nodes.md)"),
+    Variable("CUPYCOMM_RUN_DIR", _text, "",
+             "the job directory where each rank records how it ended (set by python -m "
+             "cupycomm.run)"),
     Variable("CUPYCOMM_BENCH_COMMAND", _text, "",
              "the command line python -m cupycomm.bench records (set by benchmarks/run_matrix)"),
 )

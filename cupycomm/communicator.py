@@ -44,7 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _bootstrap, _env, coalesce, objects
-from .faults import abort, debug as _debug
+from .faults import abort, debug as _debug, endings
 from ._dtypes import ReduceOp
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
@@ -828,6 +828,7 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
         debug = _env.read("CUPYCOMM_DEBUG")
     if abort.abort_enabled(abort_on_exception):
         abort.install_abort_handler()
+    endings.start()   # under python -m cupycomm.run: this rank's end will be known
     parent = _bootstrap.world() if mpi_comm is None else mpi_comm
     if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
         raise TypeError(f"init: mpi_comm must be an mpi4py communicator, got {parent!r}")
