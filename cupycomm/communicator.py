@@ -44,7 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _bootstrap, _env, coalesce, objects
-from .faults import abort, debug as _debug, endings
+from .faults import abort, debug as _debug, endings, flight
 from ._dtypes import ReduceOp
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
@@ -829,6 +829,7 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
     if abort.abort_enabled(abort_on_exception):
         abort.install_abort_handler()
     endings.start()   # under python -m cupycomm.run: this rank's end will be known
+    flight.install_signal()
     parent = _bootstrap.world() if mpi_comm is None else mpi_comm
     if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
         raise TypeError(f"init: mpi_comm must be an mpi4py communicator, got {parent!r}")

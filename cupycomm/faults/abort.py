@@ -16,7 +16,7 @@ import traceback
 from typing import Optional, TextIO
 
 from .. import _bootstrap, _env
-from . import endings, stacks
+from . import endings, flight, stacks
 
 __all__ = ["install_abort_handler", "abort_enabled", "abort_job", "abort_world", "report_to",
            "report_stream"]
@@ -52,6 +52,7 @@ def install_abort_handler() -> None:
         report_stream().write(f"cupycomm: uncaught exception on {_bootstrap.describe_rank()}; "
                               f"aborting the MPI job\n{text}")
         endings.record(endings.RAISED, f"{kind.__name__}: {value}")
+        flight.report_all("uncaught exception", report_stream())
         # No close_all() here: closing waits for calls in flight (a dropped receive whose
         # sender will never send would hold the abort until the timeout); MPI_Abort ends
         # every process, which frees what they hold.
@@ -67,7 +68,7 @@ def abort_job(message: str) -> None:
     endings.record(endings.ABORTED, message)
     stream = report_stream()
     stream.write(f"cupycomm watchdog: {message}: aborting the job\n")
-    stream.flush()
+    flight.report_all("abort", stream)
     stacks.dump(report_stream())
     abort_world()
 
