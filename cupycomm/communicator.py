@@ -28,7 +28,7 @@ How a call runs (for contributors): a synchronous call on NumPy arrays whose eve
 passes the common-case test written at the top of each method (exact ``numpy.ndarray``,
 C-contiguous, writable where written, ``out`` of the same dtype and an accepted shape, an int
 root or peer in range) takes the backend's *prepared call* for its (collective, dtype, op),
-made once and kept in ``_prepared`` (:class:`~cupycomm.backends.mpi.PreparedCalls`): the raw
+made once and kept in ``_prepared`` (``cupycomm.backends.mpi.PreparedCalls``): the raw
 typed mpi4py call inside the watchdog's marks, two interpreter frames in all. Anything else
 (a failed test, a dtype or op with no prepared call, async_op, stream, a ``batch()`` block, a
 closed communicator, device and foreign arrays) takes the general path, which makes every
