@@ -36,6 +36,12 @@ def _seconds(raw: str) -> float:
     return value
 
 
+def _count(raw: str) -> int:
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError("is not a count >= 1")
+    return int(raw)
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -62,6 +68,14 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("CUPYCOMM_HEARTBEAT_TIMEOUT", _seconds, 5.0,
              "seconds without a heartbeat after which a node of a multi-node job is taken "
              "as dead (see docs/guide/many-nodes.md)"),
+    Variable("CUPYCOMM_FLIGHT_RECORDER", _text, "",
+             "a directory where each rank writes its flight recorder (rank-<r>.json) when "
+             "a call waits, on a fault or SIGUSR1, and at close"),
+    Variable("CUPYCOMM_FLIGHT_RECORDER_SIZE", _count, 64,
+             "how many of its last calls each communicator's flight recorder keeps"),
+    Variable("CUPYCOMM_RUN_DIR", _text, "",
+             "the job directory where each rank records how it ended (set by python -m "
+             "cupycomm.run)"),
     Variable("CUPYCOMM_BENCH_COMMAND", _text, "",
              "the command line python -m cupycomm.bench records (set by benchmarks/run_matrix)"),
 )

@@ -28,7 +28,7 @@ How a call runs (for contributors): a synchronous call on NumPy arrays whose eve
 passes the common-case test written at the top of each method (exact ``numpy.ndarray``,
 C-contiguous, writable where written, ``out`` of the same dtype and an accepted shape, an int
 root or peer in range) takes the backend's *prepared call* for its (collective, dtype, op),
-made once and kept in ``_prepared`` (:class:`~cupycomm.backends.mpi.PreparedCalls`): the raw
+made once and kept in ``_prepared`` (``cupycomm.backends.mpi.PreparedCalls``): the raw
 typed mpi4py call inside the watchdog's marks, two interpreter frames in all. Anything else
 (a failed test, a dtype or op with no prepared call, async_op, stream, a ``batch()`` block, a
 closed communicator, device and foreign arrays) takes the general path, which makes every
@@ -44,7 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _bootstrap, _env, coalesce, objects
-from .faults import abort, debug as _debug
+from .faults import abort, debug as _debug, endings, flight
 from ._dtypes import ReduceOp
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
@@ -828,6 +828,8 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
         debug = _env.read("CUPYCOMM_DEBUG")
     if abort.abort_enabled(abort_on_exception):
         abort.install_abort_handler()
+    endings.start()   # under python -m cupycomm.run: this rank's end will be known
+    flight.install_signal()
     parent = _bootstrap.world() if mpi_comm is None else mpi_comm
     if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
         raise TypeError(f"init: mpi_comm must be an mpi4py communicator, got {parent!r}")

@@ -28,6 +28,7 @@ def _run(comm: Any, label: str, call, *args: Any) -> Any:
     transport = _pickled(comm)
     tracker = comm._tracker
     tracker.seq += 1
+    tracker.flight.calls[tracker.seq % tracker.flight.size] = label
     with tracker.inside(label):
         return call(transport, *args)
 

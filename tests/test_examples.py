@@ -1,4 +1,5 @@
-"""The examples run as users run them (mpiexec -n 4 on this machine) and check themselves.
+"""The examples run as users run them (python -m cupycomm.run -n 4 on this machine: every
+rank must finish) and check themselves.
 
 They start mpiexec jobs of their own, so they run in the single-process pass of the suite.
 """
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cupycomm.testing import run_mpiexec
+from cupycomm.testing import run_job
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
@@ -15,7 +16,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs_on_4_ranks(script):
-    job = run_mpiexec(4, str(script), timeout=120)
+    job = run_job(4, str(script), timeout=120)
     assert not job.timed_out, job.output
     assert job.returncode == 0, job.output
     assert job.stdout.strip(), "an example prints what it checked"
@@ -26,7 +27,7 @@ def test_example_runs_on_4_ranks(script):
 def test_data_parallel_training_equals_one_process(n, batches):
     """The example asserts, on rank 0, that its parameters equal single-process training."""
     script = str(EXAMPLES[0].parent / "train_data_parallel.py")
-    job = run_mpiexec(n, script, "--epochs", "3", "--batches", batches, timeout=120)
+    job = run_job(n, script, "--epochs", "3", "--batches", batches, timeout=120)
     assert job.returncode == 0, job.output
     assert f"trained on {n} ranks for 3 epochs" in job.stdout
     assert "parameters equal single-process training" in job.stdout

@@ -74,7 +74,8 @@ _NO_SPEC = (None, None, False, None)
 
 
 # -- prepared calls: one maker per shape of MPI call. The watchdog's marks are written out in
-# each (``seq`` counts the call, ``busy`` names it while it blocks; see faults/watchdog.py):
+# each (``seq`` counts the call, ``busy`` names it while it blocks, one slot of the flight
+# recorder's ring holds it; see faults/watchdog.py):
 # a shared helper would cost every call one more interpreter frame.
 def _paired(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
     """``call(send, recv[, op])``: all_reduce (in place when ``recv is x``),
@@ -82,9 +83,11 @@ def _paired(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callabl
     call = getattr(backend._comm, _MPI_CALLS[name])
     tail = () if op is None else (op,)
     tracker = backend._tracker
+    ring, slots = tracker.flight.calls, tracker.flight.size   # the flight recorder's
 
     def run(x, recv):
-        tracker.seq += 1
+        tracker.seq = seq = tracker.seq + 1
+        ring[seq % slots] = name
         tracker.busy = name
         try:
             call(_IN_PLACE if recv is x else [x, datatype], [recv, datatype], *tail)
@@ -100,11 +103,13 @@ def _rooted(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callabl
     call = getattr(backend._comm, _MPI_CALLS[name])
     tail = () if op is None else (op,)
     tracker = backend._tracker
+    ring, slots = tracker.flight.calls, tracker.flight.size   # the flight recorder's
 
     def run(x, recv, root):
         send = (None if x is None else _IN_PLACE if recv is x and op is not None
                 else [x, datatype])
-        tracker.seq += 1
+        tracker.seq = seq = tracker.seq + 1
+        ring[seq % slots] = name
         tracker.busy = name
         try:
             call(send, None if recv is None else [recv, datatype], *tail, root)
@@ -117,9 +122,11 @@ def _rooted(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callabl
 def _broadcast(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
     call = backend._comm.Bcast
     tracker = backend._tracker
+    ring, slots = tracker.flight.calls, tracker.flight.size   # the flight recorder's
 
     def run(x, root):
-        tracker.seq += 1
+        tracker.seq = seq = tracker.seq + 1
+        ring[seq % slots] = name
         tracker.busy = name
         try:
             call([x, datatype], root)
@@ -132,9 +139,11 @@ def _broadcast(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Call
 def _sendrecv(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
     call = backend._comm.Sendrecv
     tracker = backend._tracker
+    ring, slots = tracker.flight.calls, tracker.flight.size   # the flight recorder's
 
     def run(x, dst, buf, src):
-        tracker.seq += 1
+        tracker.seq = seq = tracker.seq + 1
+        ring[seq % slots] = name
         tracker.busy = name
         try:
             call([x, datatype], dst, 0, [buf, datatype], src, 0)
@@ -203,6 +212,7 @@ class MPIBackend:
         self._size = comm.Get_size()
         self._rank = comm.Get_rank()
         self._tracker = tracker   # counts this rank's collectives, for the watchdog
+        self._flight, self._slots = tracker.flight.calls, tracker.flight.size   # its ring
         self._group: Any = None   # the open batch() block, if any
         # Started nonblocking calls, oldest first: they keep their arrays (and requests)
         # alive even if the caller drops the Work, since MPI writes into them until done.
@@ -213,7 +223,9 @@ class MPIBackend:
                finish: Optional[Callable[[], None]] = None) -> HostWork:
         """Start the nonblocking ``call`` for async_op; inside a batch() block, queue it to
         start when the block ends."""
-        self._tracker.seq += 1
+        tracker = self._tracker
+        tracker.seq = seq = tracker.seq + 1
+        self._flight[seq % self._slots] = label
         group = self._group
         if group is not None:
             group.claim("host", label)
@@ -235,7 +247,8 @@ class MPIBackend:
         """Make the blocking MPI ``call``, its name in the tracker's ``busy`` while it lasts
         (the watchdog judges hangs by it)."""
         tracker = self._tracker
-        tracker.seq += 1
+        tracker.seq = seq = tracker.seq + 1
+        self._flight[seq % self._slots] = label
         tracker.busy = label
         try:
             call(*args)

@@ -152,6 +152,7 @@ class NcclBackend:
         self._rank = mpi_comm.Get_rank()
         self._size = mpi_comm.Get_size()
         self._tracker = tracker
+        self._flight, self._slots = tracker.flight.calls, tracker.flight.size   # its ring
         self._current_stream = cuda.get_current_stream
         self._runtime = cuda.runtime
         self._new_event = cuda.Event
@@ -193,7 +194,9 @@ class NcclBackend:
         """Run ``call(*args, stream_ptr)`` on the comm stream (or ``stream``), ordered by events."""
         if self._aborted:
             raise self._was_aborted(label)
-        self._tracker.seq += 1
+        tracker = self._tracker
+        tracker.seq = seq = tracker.seq + 1
+        self._flight[seq % self._slots] = (label, "nccl")
         if self._group is not None:
             return self._launch_grouped(call, args, result, keep, label, stream, unpack)
         with self._device:   # handle 0 (the null stream) means the current device's

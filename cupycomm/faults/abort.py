@@ -16,7 +16,7 @@ import traceback
 from typing import Optional, TextIO
 
 from .. import _bootstrap, _env
-from . import stacks
+from . import endings, flight, stacks
 
 __all__ = ["install_abort_handler", "abort_enabled", "abort_job", "abort_world", "report_to",
            "report_stream"]
@@ -51,6 +51,8 @@ def install_abort_handler() -> None:
         text = "".join(traceback.format_exception(kind, value, tb))
         report_stream().write(f"cupycomm: uncaught exception on {_bootstrap.describe_rank()}; "
                               f"aborting the MPI job\n{text}")
+        endings.record(endings.RAISED, f"{kind.__name__}: {value}")
+        flight.report_all("uncaught exception", report_stream())
         # No close_all() here: closing waits for calls in flight (a dropped receive whose
         # sender will never send would hold the abort until the timeout); MPI_Abort ends
         # every process, which frees what they hold.
@@ -63,9 +65,10 @@ def install_abort_handler() -> None:
 
 def abort_job(message: str) -> None:
     """Print ``message`` and this rank's stacks, then end every rank of the job."""
+    endings.record(endings.ABORTED, message)
     stream = report_stream()
     stream.write(f"cupycomm watchdog: {message}: aborting the job\n")
-    stream.flush()
+    flight.report_all("abort", stream)
     stacks.dump(report_stream())
     abort_world()
 

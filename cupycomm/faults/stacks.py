@@ -64,7 +64,10 @@ class PeerStacks:
         peers.close()
     """
 
+    active = 0   # how many exist: SIGUSR1 is theirs meanwhile
+
     def __init__(self, board: Board, asked: int, written: int) -> None:
+        PeerStacks.active += 1
         self._board, self._asked, self._written = board, asked, written
         self._fd = os.open(_stack_file(os.getpid()), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         faulthandler.register(signal.SIGUSR1, file=self._fd, all_threads=True)
@@ -97,6 +100,7 @@ class PeerStacks:
         return _by_signal(pid)
 
     def close(self) -> None:
+        PeerStacks.active -= 1
         faulthandler.unregister(signal.SIGUSR1)
         os.close(self._fd)
         try:

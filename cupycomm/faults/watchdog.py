@@ -2,8 +2,10 @@
 
 The call path writes two attributes of a communicator's :class:`Tracker`: ``seq`` (how many
 collectives this rank has issued on it) and, for as long as a blocking MPI call lasts,
-``busy`` (that call's name). No other thread's stack or locals are read: in CPython 3.11,
-reading the locals of a frame that another thread is running can crash the interpreter. One
+``busy`` (that call's name); and one slot of its flight recorder's ring
+(:mod:`cupycomm.faults.flight`, which the thread stamps at each look). No other thread's
+stack or locals are read: in CPython 3.11, reading the locals of a frame that another
+thread is running can crash the interpreter. One
 daemon thread per process (started by the first communicator of more than one rank) looks
 ten times a second and:
 
@@ -61,6 +63,7 @@ from typing import Any, Iterator, Optional, Protocol
 from .._bootstrap import describe_rank
 from .._collectives import BY_NAME, CALLS, POINT_TO_POINT
 from . import board as _board, stacks
+from .flight import Recorder
 from .abort import abort_job, report_stream
 from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from .heartbeat import Heartbeats
@@ -85,7 +88,7 @@ class Tracker:
     """One communicator's progress, and what the watchdog needs to judge it."""
 
     __slots__ = ("seq", "busy", "name", "rank", "size", "timeout", "board", "beats", "device",
-                 "_waiting", "__weakref__")
+                 "flight", "_waiting", "__weakref__")
 
     def __init__(self, name: str, rank: int, size: int, timeout: float,
                  board: Optional[NodeBoard] = None, beats: Optional[Heartbeats] = None) -> None:
@@ -98,6 +101,7 @@ class Tracker:
         self.board = board
         self.beats = beats   # the cross-node view, when the communicator spans nodes
         self.device: Any = None    # the NCCL backend, once there is one
+        self.flight = Recorder(name, rank, board, self._progress)   # a slot per call
         self._waiting: Optional[tuple] = None   # ((seq, busy) or "device", since when)
 
     # -- called by the backends on the main thread ------------------------------------------------
@@ -115,7 +119,9 @@ class Tracker:
     def leave(self) -> None:
         """The communicator is closing (call after :func:`unwatch`): its final progress goes
         on the board, which then says how many collectives this rank issued before it left;
-        a node leader's heartbeats say goodbye to the other nodes."""
+        a node leader's heartbeats say goodbye to the other nodes; the flight recorder
+        writes its file a last time."""
+        self.flight.close()
         if self.board is not None:
             self.board.publish(self.seq, 0, 0)
             self.board.leave()
@@ -136,6 +142,11 @@ class Tracker:
         late, text = self._arrivals(at, name)
         return name, at, late, text
 
+    def _progress(self) -> tuple:
+        """(calls issued, the blocking call, its number) now, for the flight recorder."""
+        seq, busy = self.seq, self.busy
+        return seq, busy, _call(busy, seq)[1] if busy is not None else seq
+
     # -- called by the watchdog thread ------------------------------------------------------------
     def check(self, now: float) -> bool:
         """Judge this communicator at time ``now``: publish its progress, end a wait that has
@@ -143,6 +154,7 @@ class Tracker:
         Returns whether a call is blocked or device work is pending."""
         seq, busy = self.seq, self.busy
         name, at = _call(busy, seq) if busy is not None else ("", seq)
+        self.flight.look(seq, busy, at)
         if self.board is not None:
             self.board.publish(seq, BY_NAME[name].code if busy is not None else 0,
                                at if busy is not None else 0)

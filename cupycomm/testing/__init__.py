@@ -4,12 +4,14 @@
   makes ``mpiexec -n N python -m pytest`` one session with one report.
 - :func:`run_mpiexec`: start an ``mpiexec -n N python ...`` job from a test, with a hard time
   bound; :func:`no_auto_cleanup`: the launcher's options that leave ending a failed job to
-  cupycomm; :func:`simulated_nodes`: those that spread a job over simulated nodes.
+  cupycomm; :func:`simulated_nodes`: those that spread a job over simulated nodes;
+  :func:`run_job`: a job through ``python -m cupycomm.run``, whose status is non-zero if any
+  rank did not finish.
 - :func:`release`: the end of a per-test communicator fixture (kept if the test failed).
 """
 from .launch import (SIMULATES_NODES, Launched, launch_environment, no_auto_cleanup,
-                     run_mpiexec, simulated_nodes)
+                     run_job, run_mpiexec, simulated_nodes)
 from .plugin import release
 
-__all__ = ["Launched", "launch_environment", "no_auto_cleanup", "run_mpiexec", "release",
-           "simulated_nodes", "SIMULATES_NODES"]
+__all__ = ["Launched", "launch_environment", "no_auto_cleanup", "run_mpiexec", "run_job",
+           "release", "simulated_nodes", "SIMULATES_NODES"]

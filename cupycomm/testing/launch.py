@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from .. import launchers
 
-__all__ = ["Launched", "run_mpiexec", "start_mpiexec", "kill", "launch_environment",
+__all__ = ["Launched", "run_mpiexec", "run_job", "start_mpiexec", "kill", "launch_environment",
            "no_auto_cleanup", "simulated_nodes", "SIMULATES_NODES"]
 
 #: The kinds of launcher (:attr:`cupycomm.launchers.Launcher.kind`) that can simulate nodes.
@@ -133,6 +133,45 @@ def kill(job: "subprocess.Popen[str]") -> None:
     except ProcessLookupError:  # the group is gone already (and mpiexec ended)
         pass
     job.wait()
+
+
+def run_job(n: int, *args: str, timeout: float, env: Optional[Mapping[str, str]] = None,
+            cwd: Optional[str] = None, options: Sequence[str] = ()) -> Launched:
+    """Run ``python -m cupycomm.run -n n *options *args`` (a job whose exit status is non-zero
+    if any rank did not finish) and wait at most ``timeout`` seconds.
+
+    ``args`` are the program (``script.py ...`` or ``-m module ...``), ``options`` those of
+    cupycomm.run and of the launcher; ``env`` and ``cwd`` as :func:`run_mpiexec`'s. Past
+    ``timeout``, cupycomm.run gets SIGTERM (it ends the job, killing it 10 s later if need
+    be; SIGKILL follows 15 s later) and ``timed_out`` is set.
+
+    Example::
+
+        job = run_job(4, "examples/mean_across_ranks.py", timeout=60)
+        assert job.returncode == 0, job.output
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"run_job: n must be a number of ranks >= 1, got {n!r}")
+    if not timeout > 0:
+        raise ValueError(f"run_job: timeout must be a positive number of seconds, got "
+                         f"{timeout!r}")
+    argv = [sys.executable, "-m", "cupycomm.run", "-n", str(n), *options, *args]
+    start = time.monotonic()
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          errors="replace", env=launch_environment(env), cwd=cwd,
+                          stdin=subprocess.DEVNULL, start_new_session=True) as job:
+        try:
+            stdout, stderr = job.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGTERM)
+            try:
+                stdout, stderr = job.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                kill(job)
+                stdout, stderr = job.communicate()
+            timed_out = True
+    return Launched(argv, job.returncode, stdout, stderr, time.monotonic() - start, timed_out)
 
 
 def no_auto_cleanup(mpiexec: Optional[str] = None) -> List[str]:

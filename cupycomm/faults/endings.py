@@ -1,0 +1,90 @@
+"""How each rank of a ``python -m cupycomm.run`` job ended, as it recorded it, and reading it back.
+
+``cupycomm.run`` makes a job directory and names it in ``CUPYCOMM_RUN_DIR``. There
+:func:`start` (called by ``init()``) writes a record for its world rank, ``rank-<r>.json``:
+``running`` at once, and one of these at the end:
+
+- ``ended``: the interpreter reached its exit (the program's end, ``sys.exit``);
+- ``raised``: an exception escaped (its type and message in ``detail``);
+- ``aborted``: cupycomm ended the job (the watchdog or the abort handler; why, in ``detail``).
+
+A record still ``running`` after the job is over belongs to a rank that ended without
+finishing: ``os._exit``, a signal, a crash, or a peer's ``MPI_Abort``. Ranks not started by
+``cupycomm.run`` (the variable unset) write nothing. Each write replaces the file whole, so a
+reader never sees half a record.
+
+Example (what the launcher side reads after the job)::
+
+    records = read(job_directory, 4)   # one dict per rank, or None where none was written
+    records[2]["state"]                # 'running': rank 2 never reached its end
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+from typing import List, Optional
+
+from .. import _bootstrap, _env
+
+__all__ = ["start", "record", "read", "RUNNING", "ENDED", "RAISED", "ABORTED"]
+
+RUNNING, ENDED, RAISED, ABORTED = "running", "ended", "raised", "aborted"
+
+_path: Optional[str] = None   # this rank's record, once start() has written it
+
+
+def _record_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank-{rank}.json")
+
+
+def start() -> None:
+    """Write this rank's ``running`` record and record its end at exit; only under
+    ``cupycomm.run`` (CUPYCOMM_RUN_DIR set), once per process."""
+    global _path
+    directory = _env.read("CUPYCOMM_RUN_DIR")
+    if _path is not None or not directory:
+        return
+    _path = _record_path(directory, _bootstrap.world().Get_rank())
+    record(RUNNING)
+    atexit.register(_at_exit)
+
+
+def record(state: str, detail: str = "") -> None:
+    """Replace this rank's record by ``state`` (with ``detail``); nothing if :func:`start`
+    has not written one."""
+    if _path is None:
+        return
+    text = json.dumps({"rank": _bootstrap.world().Get_rank(), "host": socket.gethostname(),
+                       "pid": os.getpid(), "state": state, "detail": detail})
+    partial = f"{_path}.{os.getpid()}"
+    try:
+        with open(partial, "w") as f:
+            f.write(text)
+        os.replace(partial, _path)
+    except OSError as error:   # the directory is gone (the launcher ended): say so, go on
+        sys.stderr.write(f"cupycomm: could not record this rank's end in {_path}: {error}\n")
+
+
+def _at_exit() -> None:
+    # The interpreter sets sys.last_value when an uncaught exception ended the program
+    # (the abort handler, if installed, has aborted the job before atexit runs).
+    error = getattr(sys, "last_value", None)
+    if error is not None:
+        record(RAISED, f"{type(error).__name__}: {error}")
+    else:
+        record(ENDED)
+
+
+def read(directory: str, size: int) -> List[Optional[dict]]:
+    """The records of world ranks ``0 .. size - 1`` in ``directory`` (None: none written)."""
+    records: List[Optional[dict]] = []
+    for rank in range(size):
+        try:
+            with open(_record_path(directory, rank)) as f:
+                records.append(json.load(f))
+        except (OSError, ValueError):
+            records.append(None)
+    return records

@@ -1,0 +1,320 @@
+"""``python -m cupycomm.run``: start an MPI job with the launcher at hand, forward Ctrl-C and
+SIGTERM to it, and exit with a status that never lies.
+
+A launcher's exit status can say 0 for a job that lost a rank (MPICH's hydra, when a rank
+calls ``os._exit(0)``). So the job gets a directory of its own (``CUPYCOMM_RUN_DIR``), where
+each rank's ``init()`` records how it ended (:mod:`cupycomm.faults.endings`); after the job,
+every rank must have recorded its end, or the status is non-zero and one line on stderr says
+which rank did not finish and why. The directory is removed afterwards.
+
+The job is started as :class:`~cupycomm.launchers.Launcher` says, leaving the ending of a
+failed job to cupycomm (hydra: ``-disable-auto-cleanup``; Open MPI: ``--oversubscribe`` past
+the cores), in a session of its own: SIGINT and SIGTERM reach it once, from here (the
+handlers are installed before the launcher starts; a signal that arrives while it starts is
+forwarded as soon as it has a pid); a second signal, or a job still there 10 s after the
+first, is killed. The status is then 128 + the signal's number, as a shell's.
+
+Example::
+
+    python -m cupycomm.run -n 4 --timeout 120 --prefix-output train.py --epochs 3
+    cupycomm-run -n 2 -hosts nodeA:1,nodeB:1 -m pytest tests
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import launchers
+from . import endings
+from .board import alive
+
+__all__ = ["Options", "UsageError", "parse", "verdict", "main", "USAGE", "GRACE",
+           "LOST_GRACE"]
+
+GRACE = 10.0
+"""Seconds the job has to end after a forwarded signal, before it is killed."""
+LOST_GRACE = 3.0
+"""Seconds the job has to end after a rank on this host died without recording its end."""
+
+USAGE = """\
+usage: python -m cupycomm.run -n N [options] [launcher options] PROGRAM
+
+PROGRAM is script.py [args], -m module [args], or -- command [args] (anything else).
+Arguments between the options below and PROGRAM go to the launcher as they are.
+
+options:
+  -n N, -np N        the number of ranks
+  --timeout S        every rank's collective timeout, in seconds (CUPYCOMM_TIMEOUT)
+  --debug            every rank checks that all call each collective alike (CUPYCOMM_DEBUG)
+  --prefix-output    prefix each line of output with its rank (the launcher's option)
+  --mpiexec PATH     the launcher (default: $MPIEXEC, the mpiexec beside this Python, PATH)
+  --job-dir DIR      where the job's directory goes: a directory every node sees
+                     (default: the current directory)
+  -h, --help         this text
+"""
+"""The text of ``--help``."""
+
+# The launchers' options for rank-prefixed output, and how one passes a variable to ranks on
+# other nodes (Open MPI passes only the variables it is told to; the others pass them all).
+_PREFIX: Dict[str, Tuple[str, ...]] = {"hydra": ("-prepend-rank",),
+                                       "intelmpi": ("-prepend-rank",),
+                                       "openmpi": ("--tag-output",), "srun": ("--label",)}
+_EXPORT: Dict[str, str] = {"openmpi": "-x"}
+
+
+@dataclasses.dataclass
+class Options:
+    """What the command line asked for (see :data:`USAGE`)."""
+    n: int
+    program: List[str]
+    launcher_args: List[str] = dataclasses.field(default_factory=list)
+    timeout: Optional[float] = None
+    debug: bool = False
+    prefix_output: bool = False
+    mpiexec: Optional[str] = None
+    job_dir: Optional[str] = None
+
+
+class UsageError(ValueError):
+    """A command line that cannot be run; the message says why."""
+
+
+def _value(argv: Sequence[str], i: int) -> str:
+    if i + 1 >= len(argv):
+        raise UsageError(f"{argv[i]} needs a value")
+    return argv[i + 1]
+
+
+def parse(argv: Sequence[str]) -> Options:
+    """The options of ``argv`` (the arguments after ``python -m cupycomm.run``).
+
+    Raises:
+        UsageError: a missing or bad value, no ``-n``, no program.
+
+    Example::
+
+        parse(["-n", "2", "-hosts", "a:1,b:1", "x.py", "-v"]).launcher_args  # ['-hosts', 'a:1,b:1']
+    """
+    found: Dict[str, object] = {"launcher_args": []}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            raise UsageError("")
+        if arg == "--":
+            found["program"] = list(argv[i + 1:])
+            break
+        if arg == "-m" or arg.endswith(".py"):
+            found["program"] = [sys.executable, *argv[i:]]
+            break
+        if arg in ("-n", "-np"):
+            raw = _value(argv, i)
+            if not raw.isdigit() or int(raw) < 1:
+                raise UsageError(f"{arg} must be a number of ranks >= 1, got {raw!r}")
+            found["n"], i = int(raw), i + 2
+        elif arg == "--timeout":
+            raw = _value(argv, i)
+            try:
+                seconds = float(raw)
+            except ValueError:
+                seconds = 0.0
+            if not seconds > 0:
+                raise UsageError(f"--timeout must be a positive number of seconds, got {raw!r}")
+            found["timeout"], i = seconds, i + 2
+        elif arg in ("--mpiexec", "--job-dir"):
+            found[arg[2:].replace("-", "_")], i = _value(argv, i), i + 2
+        elif arg in ("--debug", "--prefix-output"):
+            found[arg[2:].replace("-", "_")], i = True, i + 1
+        else:
+            found["launcher_args"].append(arg)   # type: ignore[attr-defined]
+            i += 1
+    if "n" not in found:
+        raise UsageError("-n N (the number of ranks) is required")
+    if not found.get("program"):
+        raise UsageError("no program: give script.py, -m module, or -- command")
+    return Options(**found)   # type: ignore[arg-type]
+
+
+def _job_argv(options: Options, launcher: launchers.Launcher,
+              variables: Sequence[str]) -> List[str]:
+    command = launcher.command(options.n, leave_cleanup_to_cupycomm=True)
+    extra = list(_PREFIX.get(launcher.kind, ())) if options.prefix_output else []
+    export = _EXPORT.get(launcher.kind)
+    if export:
+        for name in variables:
+            extra += [export, name]
+    return [command[0], *extra, *options.launcher_args, *command[1:], *options.program]
+
+
+class _Forwarder:
+    """Forwards SIGINT/SIGTERM to the launcher, and kills its session on a second signal.
+
+    The handlers, installed before the launcher starts, only count what arrived; the main
+    thread acts on it while it waits for the launcher (:meth:`wait`), so a signal that
+    arrives before the launcher has a pid is forwarded once it has one, and never twice.
+    """
+
+    def __init__(self) -> None:
+        self.signal: Optional[int] = None   # the first signal that arrived
+        self._arrived = 0
+        self._previous = {s: signal.signal(s, self._handle)
+                          for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signal is None:
+            self.signal = signum
+        self._arrived += 1
+
+    def wait(self, child: subprocess.Popen, directory: str, size: int) -> int:
+        """``child``'s exit status, once it has ended. The first signal is forwarded to it; a
+        second one, GRACE s without an end after the first, or LOST_GRACE s after a rank of
+        this host died without recording its end (its peers could wait in ``MPI_Finalize``
+        forever; the watchdog names it first where they wait in a collective) kill its
+        session."""
+        forwarded_at = lost_at = None
+        next_look = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if self.signal is not None and forwarded_at is None:
+                forwarded_at = now
+                _send(os.kill, child.pid, self.signal)
+            if lost_at is None and now >= next_look:
+                next_look = now + 1.0
+                if _died_here(endings.read(directory, size)):
+                    lost_at = now
+            if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
+                    or (lost_at is not None and now - lost_at > LOST_GRACE)):
+                _send(os.killpg, child.pid, signal.SIGKILL)
+            try:
+                return child.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+
+def _send(kill, pid: int, number: int) -> None:
+    try:
+        kill(pid, number)
+    except ProcessLookupError:   # it has just ended
+        pass
+
+
+def _died_here(records: Sequence[Optional[dict]]) -> bool:
+    """Whether a rank on this host has died without recording its end (ranks elsewhere are
+    the watchdog's and the heartbeats' to judge)."""
+    host = socket.gethostname()
+    return any(r is not None and r["state"] == endings.RUNNING and r["host"] == host
+               and not alive(r["pid"]) for r in records)
+
+
+def _who(record: dict) -> str:
+    return f"rank {record['rank']} (host {record['host']}, pid {record['pid']})"
+
+
+def _ranks(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = "mpiexec",
+            stopped_by: Optional[int] = None) -> Tuple[int, str]:
+    """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
+    left ``records`` (:func:`cupycomm.faults.endings.read`) and whose launcher exited with
+    ``returncode`` (negative: killed by that signal).
+
+    Example::
+
+        verdict([{"rank": 0, "state": "ended", ...}, {"rank": 1, "state": "running", ...}], 0)
+        # (1, 'cupycomm.run: rank 1 (host a, pid 7) ended without finishing (it recorded no
+        #  end: os._exit, a signal or a crash); mpiexec exited 0')
+    """
+    status = 128 - returncode if returncode < 0 else returncode
+    exited = (f"{launcher} was killed by signal {-returncode}" if returncode < 0
+              else f"{launcher} exited {returncode}")
+    if stopped_by is not None:
+        return 128 + stopped_by, (f"cupycomm.run: stopped by {signal.Signals(stopped_by).name}, "
+                                  f"forwarded to the job; {exited}")
+    written = [r for r in records if r is not None]
+    if not written:
+        if status:
+            return status, f"cupycomm.run: {exited}; no rank called cupycomm.init()"
+        return 0, ""
+    by_state: Dict[str, List[dict]] = {}
+    for r in written:
+        by_state.setdefault(r["state"], []).append(r)
+    missing = [rank for rank, r in enumerate(records) if r is None]
+    unfinished = [r["rank"] for r in by_state.get(endings.RUNNING, [])]
+    if len(by_state.get(endings.ENDED, [])) == len(records):
+        if status:
+            return status, (f"cupycomm.run: every rank reached its end, but {exited} (a rank "
+                            f"called sys.exit with a non-zero code?)")
+        return 0, ""
+    if endings.RAISED in by_state or endings.ABORTED in by_state:
+        first = (by_state.get(endings.RAISED) or by_state[endings.ABORTED])[0]
+        how = "raised" if first["state"] == endings.RAISED else "ended the job:"
+        reason = f"{_who(first)} {how} {first['detail']}"
+    else:
+        first = by_state[endings.RUNNING][0] if unfinished else None
+        reason = (f"{_who(first)} ended without finishing (it recorded no end: os._exit, a "
+                  f"signal or a crash)" if first else "")
+        unfinished = unfinished[1:]
+    parts = [reason] if reason else []
+    if unfinished:
+        parts.append(f"{_ranks(unfinished)} did not finish")
+    if missing:
+        parts.append(f"{_ranks(missing)} never called cupycomm.init()")
+    parts.append(exited)
+    return status or 1, "cupycomm.run: " + "; ".join(parts)
+
+
+def _job_directory(parent: Optional[str]) -> str:
+    where = parent or os.getcwd()
+    if not os.access(where, os.W_OK):
+        if parent:
+            raise UsageError(f"--job-dir {parent!r} is not a writable directory")
+        where = tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix=".cupycomm-run-", dir=where)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the job that ``argv`` (default: ``sys.argv[1:]``) describes; return its status."""
+    try:
+        options = parse(sys.argv[1:] if argv is None else argv)
+        launcher = launchers.find(options.mpiexec)
+        directory = _job_directory(options.job_dir)
+    except UsageError as why:
+        sys.stderr.write(f"{USAGE}\ncupycomm.run: {why}\n" if str(why) else USAGE)
+        return 2 if str(why) else 0
+    except FileNotFoundError as why:
+        sys.stderr.write(f"cupycomm.run: {why}\n")
+        return 2
+    variables = {"CUPYCOMM_RUN_DIR": directory}
+    if options.timeout is not None:
+        variables["CUPYCOMM_TIMEOUT"] = repr(options.timeout)
+    if options.debug:
+        variables["CUPYCOMM_DEBUG"] = "1"
+    env = launcher.environment(os.environ)
+    env.update(variables)
+    argv_ = _job_argv(options, launcher, list(variables))
+    forwarder = _Forwarder()
+    try:
+        returncode = forwarder.wait(subprocess.Popen(argv_, env=env, start_new_session=True),
+                                    directory, options.n)
+        status, line = verdict(endings.read(directory, options.n), returncode,
+                               os.path.basename(launcher.executable), forwarder.signal)
+    finally:
+        forwarder.restore()
+        shutil.rmtree(directory, ignore_errors=True)
+    if line:
+        sys.stderr.write(line + "\n")
+    return status

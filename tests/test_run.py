@@ -1,0 +1,212 @@
+"""python -m cupycomm.run: the options reach every rank, the exit status never lies, a signal
+ends the job, and the job directory is gone afterwards.
+
+Each job runs in a fresh interpreter under the launcher of this environment, so these tests
+run in the single-process pass of the suite (mpiexec does not nest inside an mpiexec run).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cupycomm import launchers
+from cupycomm.faults import launch
+from cupycomm.faults.board import alive
+from cupycomm.testing import launch_environment, run_job
+
+pytestmark = pytest.mark.mpi(max_size=1)
+
+BOUND = 60   # seconds: no job here may take longer
+
+FINISHES = """
+import sys, numpy as np, cupycomm
+comm = cupycomm.init()
+x = comm.all_reduce(np.ones(2))
+print(f"rank {comm.rank}: sum {x[0]:g} timeout {comm.timeout:g} debug {comm.debug} "
+      f"args {sys.argv[1:]}", flush=True)
+"""
+EXITS_0 = """
+import os, numpy as np, cupycomm
+comm = cupycomm.init()
+comm.all_reduce(np.ones(2))
+if comm.rank == 2:
+    os._exit(0)
+{after}
+print("finished with", comm.rank, flush=True)
+"""
+RAISES = """
+import numpy as np, cupycomm
+comm = cupycomm.init()
+if comm.rank == 1:
+    raise RuntimeError("deliberate failure on rank 1")
+comm.all_reduce(np.ones(2))
+"""
+WAITS = """
+import os, sys, time, numpy as np, cupycomm
+comm = cupycomm.init()
+with open(os.path.join(sys.argv[1], f"ready-{comm.rank}"), "w") as f:
+    f.write(str(os.getpid()))
+if comm.rank == 0:
+    time.sleep(120)
+comm.barrier()
+"""
+
+
+def cupycomm_run(tmp_path, script, n, *args):
+    """(status, stdout, stderr) of ``python -m cupycomm.run -n n *args``, ``script`` being
+    job.py (buffered output: hydra prefixes each write)."""
+    (tmp_path / "job.py").write_text(script)
+    job = run_job(n, *args, timeout=BOUND, cwd=str(tmp_path), env={"PYTHONUNBUFFERED": ""})
+    assert not job.timed_out, f"cupycomm.run did not end within {BOUND} s:\n{job.output}"
+    return job.returncode, job.stdout, job.stderr
+
+
+def no_job_directory(tmp_path):
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".cupycomm-run-")]
+    assert not left, f"the job directory was left behind: {left}"
+
+
+def test_a_job_that_finishes_exits_0_and_its_options_reach_every_rank(tmp_path):
+    code, out, err = cupycomm_run(tmp_path, FINISHES, 3, "--timeout", "7",
+                                  "--debug", "--prefix-output", "job.py", "a", "-b")
+    assert code == 0, out + err
+    for rank in range(3):
+        assert (f"rank {rank}: sum 3 timeout 7 debug True args ['a', '-b']" in out), out
+    assert sorted(line[:3] for line in out.splitlines()) == ["[0]", "[1]", "[2]"], out
+    assert "cupycomm.run" not in err, err
+    no_job_directory(tmp_path)
+
+
+def test_launcher_options_go_to_the_launcher(tmp_path):
+    script = "import os, cupycomm; cupycomm.init(); print(os.environ['GIVEN'], flush=True)"
+    given = (["-x", "GIVEN=by-the-launcher"] if launchers.find().kind == "openmpi"
+             else ["-genv", "GIVEN", "by-the-launcher"])
+    code, out, err = cupycomm_run(tmp_path, script, 2, *given, "job.py")
+    assert code == 0, out + err
+    assert out.split() == ["by-the-launcher"] * 2, out
+
+
+@pytest.mark.parametrize("after", ["comm.all_reduce(np.ones(2))", "pass"],
+                         ids=["peers-wait", "peers-finish"])
+def test_a_rank_that_exits_0_fails_the_job_naming_it(tmp_path, after):
+    """Whether its peers wait for it in a collective (the watchdog ends the job) or finish
+    without it (the launcher may exit 0), the status is non-zero and rank 2 is named."""
+    code, out, err = cupycomm_run(tmp_path, EXITS_0.format(after=after), 3,
+                                  "job.py")
+    assert code != 0, out + err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("cupycomm.run: "), err
+    assert "rank 2" in line, line
+    if after == "pass":
+        assert "rank 2 (host " in line and "ended without finishing" in line, line
+    no_job_directory(tmp_path)
+
+
+def test_an_exception_is_the_reason_given(tmp_path):
+    code, out, err = cupycomm_run(tmp_path, RAISES, 3, "job.py")
+    assert code != 0
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("cupycomm.run: rank 1 (host "), err
+    assert "raised RuntimeError: deliberate failure on rank 1" in line, line
+    no_job_directory(tmp_path)
+
+
+def test_sigterm_ends_the_job_and_the_status_says_so(tmp_path):
+    (tmp_path / "job.py").write_text(WAITS)
+    job = subprocess.Popen([sys.executable, "-m", "cupycomm.run", "-n", "3", "job.py",
+                            str(tmp_path)], cwd=tmp_path, env=launch_environment(), text=True,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    ready = [tmp_path / f"ready-{rank}" for rank in range(3)]
+    deadline = time.monotonic() + BOUND
+    while not all(p.exists() and p.read_text() for p in ready):
+        assert time.monotonic() < deadline and job.poll() is None, "the job did not start"
+        time.sleep(0.1)
+    pids = [int(p.read_text()) for p in ready]
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=BOUND)
+    code = job.returncode
+    assert code == 128 + signal.SIGTERM, out + err
+    assert "cupycomm.run: stopped by SIGTERM, forwarded to the job" in err, err
+    assert not any(alive(pid) for pid in pids), "a rank outlived the job"
+    no_job_directory(tmp_path)
+
+
+def test_a_program_without_cupycomm_keeps_the_launchers_status(tmp_path):
+    code, out, err = cupycomm_run(tmp_path, "import sys; sys.exit(3)", 2,
+                                  "job.py")
+    assert code == 3
+    assert "no rank called cupycomm.init()" in err, err
+
+
+def test_the_console_script_is_installed():
+    script = os.path.join(os.path.dirname(sys.executable), "cupycomm-run")
+    done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 0 and "usage: python -m cupycomm.run" in done.stderr
+
+
+def test_open_mpi_gets_its_prefix_option_and_is_told_to_pass_the_variables(tmp_path):
+    launcher = tmp_path / "mpirun"
+    launcher.write_text("#!/bin/sh\n"
+                        "if [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 5.0.11'; "
+                        "exit 0; fi\n"
+                        f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"
+                        " \"$@\"\n")
+    launcher.chmod(0o755)
+    code, out, err = cupycomm_run(tmp_path, "", 2, "--mpiexec", str(launcher),
+                                  "--timeout", "5", "--prefix-output", "--map-by",
+                                  "node", "job.py")
+    assert code == 0, err
+    argv = json.loads(out)
+    assert argv[:7] == ["--tag-output", "-x", "CUPYCOMM_RUN_DIR", "-x", "CUPYCOMM_TIMEOUT",
+                        "--map-by", "node"], argv
+    assert argv[7:] == ["-n", "2", sys.executable, "job.py"], argv
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["job.py"], "-n N (the number of ranks) is required"),
+    (["-n", "0", "job.py"], "-n must be a number of ranks >= 1, got '0'"),
+    (["-n", "2", "--timeout", "-1", "job.py"], "--timeout must be a positive number"),
+    (["-n", "2", "-hosts", "a:1"], "no program"),
+    (["-n"], "-n needs a value"),
+])
+def test_a_bad_command_line_says_what_is_wrong(argv, why):
+    with pytest.raises(launch.UsageError, match=re.escape(why)):
+        launch.parse(argv)
+
+
+def test_the_program_starts_at_a_script_a_module_or_after_a_double_dash():
+    assert launch.parse(["-n", "2", "-hosts", "a:1,b:1", "x.py", "-n", "5"]).program == \
+        [sys.executable, "x.py", "-n", "5"]
+    options = launch.parse(["-np", "2", "-m", "pytest", "-x"])
+    assert options.program == [sys.executable, "-m", "pytest", "-x"] and options.n == 2
+    assert launch.parse(["-n", "1", "--", "env", "a.py"]).program == ["env", "a.py"]
+
+
+def record(rank, state, detail=""):
+    return {"rank": rank, "host": "h", "pid": 10 + rank, "state": state, "detail": detail}
+
+
+@pytest.mark.parametrize("records, code, expected", [
+    ([record(0, "ended"), record(1, "ended")], 0, (0, "")),
+    ([record(0, "ended"), record(1, "running")], 0,
+     (1, "cupycomm.run: rank 1 (host h, pid 11) ended without finishing (it recorded no "
+         "end: os._exit, a signal or a crash); mpiexec exited 0")),
+    ([record(0, "running"), record(1, "raised", "ValueError: bad"), None], 1,
+     (1, "cupycomm.run: rank 1 (host h, pid 11) raised ValueError: bad; rank 0 did not "
+         "finish; rank 2 never called cupycomm.init(); mpiexec exited 1")),
+    ([record(0, "aborted", "rank 1 has died"), record(1, "running")], -9,
+     (137, "cupycomm.run: rank 0 (host h, pid 10) ended the job: rank 1 has died; rank 1 "
+           "did not finish; mpiexec was killed by signal 9")),
+    ([record(0, "ended"), record(1, "ended")], 4,
+     (4, "cupycomm.run: every rank reached its end, but mpiexec exited 4 (a rank called "
+         "sys.exit with a non-zero code?)")),
+    ([None, None], 0, (0, "")),
+])
+def test_the_verdict_names_the_first_cause(records, code, expected):
+    assert launch.verdict(records, code) == expected
