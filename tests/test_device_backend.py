@@ -323,11 +323,11 @@ def test_the_watchdogs_query_leaves_the_callers_current_device_alone(monkeypatch
     monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
     with STANDIN.comm(device=1) as comm:
         backend = comm.init_device()
-        comm.device.use()
-        with backend._device:
-            watchdog = threading.Thread(target=backend.has_pending_work)
-            watchdog.start()
-            watchdog.join()
-        assert sd.Device.current_id() == 1
-        x = comm.xp.asarray(np.ones(2))
-        assert_equal(STANDIN, comm.all_reduce(x), np.full(2, float(comm.size)))
+        with sd.Device(1):   # (the test leaves this thread's current device as it found it)
+            with backend._device:
+                watchdog = threading.Thread(target=backend.has_pending_work)
+                watchdog.start()
+                watchdog.join()
+            assert sd.Device.current_id() == 1
+            x = comm.xp.asarray(np.ones(2))
+            assert_equal(STANDIN, comm.all_reduce(x), np.full(2, float(comm.size)))

@@ -22,6 +22,15 @@ FEATURES = ["async Work", "user stream", "stream= argument", "graph capture and 
             "prefetch"]
 
 
+@pytest.fixture(autouse=True)
+def _current_device_restored():
+    """The report makes this rank's device current (comm.xp): the next tests get this
+    thread's current device back."""
+    before = sd.Device.current_id()
+    yield
+    sd.Device(before).use()
+
+
 @pytest.fixture
 def standin_comm(request):
     communicator = STANDIN.comm()
