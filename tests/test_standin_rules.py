@@ -11,10 +11,7 @@ from mpi4py import MPI
 
 import nccl_standin as sd
 from cupycomm.backends.nccl import NcclBackend, nccl_module
-
-
-class Tracker:
-    seq = 0
+from cupycomm.faults.watchdog import Tracker
 
 
 # -- the nccl submodule exists once imported --------------------------------------------------------
@@ -22,7 +19,7 @@ def test_cuda_has_no_nccl_until_it_is_imported():
     sd.forget_nccl_import()
     with pytest.raises(AttributeError):
         sd.cuda.nccl
-    backend = NcclBackend(MPI.COMM_SELF, 0, sd, Tracker())   # imports it, as it must
+    backend = NcclBackend(MPI.COMM_SELF, 0, sd, Tracker("rules", 0, 1, 60.0))   # imports it, as it must
     assert sd.cuda.nccl is sd.nccl
     backend.close()
 
@@ -32,7 +29,7 @@ def test_nccl_that_cannot_load_is_named(monkeypatch):
     with pytest.raises(RuntimeError, match="libnccl could not load"):
         nccl_module(sd)
     with pytest.raises(RuntimeError, match="libnccl could not load"):
-        NcclBackend(MPI.COMM_SELF, 0, sd, Tracker())
+        NcclBackend(MPI.COMM_SELF, 0, sd, Tracker("rules", 0, 1, 60.0))
 
 
 # -- CUDA graph capture -----------------------------------------------------------------------------
