@@ -15,12 +15,10 @@ NCCL_BACKEND_ON_COMM_SELF = """
 import cupy
 from mpi4py import MPI
 from cupycomm.backends.nccl import NcclBackend
-
-class Tracker:
-    seq = 0
+from cupycomm.faults.watchdog import Tracker
 
 try:
-    NcclBackend(MPI.COMM_SELF, 0, cupy, Tracker())
+    NcclBackend(MPI.COMM_SELF, 0, cupy, Tracker("fresh", 0, 1, 60.0))
 except Exception as error:
     print(f"{type(error).__module__}.{type(error).__qualname__}: {error}")
 else:
