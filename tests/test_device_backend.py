@@ -321,6 +321,9 @@ def test_the_watchdogs_query_leaves_the_callers_current_device_alone(monkeypatch
     device (0), and rank 1's next arrays would be on the wrong GPU (the field-test report
     found it, at random, as "x is on device 0 but the communicator uses device 1")."""
     monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    # comm.device.use() below: this thread's device is restored after the test (device 1 no
+    # longer exists for the next one)
+    monkeypatch.setattr(sd.Device._local, "id", sd.Device.current_id(), raising=False)
     with STANDIN.comm(device=1) as comm:
         backend = comm.init_device()
         with sd.Device(1):   # (the test leaves this thread's current device as it found it)

@@ -18,7 +18,7 @@ from cupycomm.backends.nccl import NcclBackend
 from cupycomm.faults.watchdog import Tracker
 
 try:
-    NcclBackend(MPI.COMM_SELF, 0, cupy, Tracker("fresh", 0, 1, timeout=60.0))
+    NcclBackend(MPI.COMM_SELF, 0, cupy, Tracker("fresh", 0, 1, 60.0))
 except Exception as error:
     print(f"{type(error).__module__}.{type(error).__qualname__}: {error}")
 else:

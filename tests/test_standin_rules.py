@@ -11,7 +11,12 @@ from mpi4py import MPI
 
 import nccl_standin as sd
 from cupycomm.backends.nccl import NcclBackend, nccl_module
-from cupycomm.faults.watchdog import Tracker
+from cupycomm.faults import watchdog
+
+
+def Tracker():
+    """A communicator's tracker, as cupycomm makes one."""
+    return watchdog.Tracker("rules", 0, 1, 60.0)
 
 
 # -- the nccl submodule exists once imported --------------------------------------------------------
@@ -19,7 +24,7 @@ def test_cuda_has_no_nccl_until_it_is_imported():
     sd.forget_nccl_import()
     with pytest.raises(AttributeError):
         sd.cuda.nccl
-    backend = NcclBackend(MPI.COMM_SELF, 0, sd, Tracker("rules", 0, 1, 60.0))   # imports it, as it must
+    backend = NcclBackend(MPI.COMM_SELF, 0, sd, Tracker())   # imports it, as it must
     assert sd.cuda.nccl is sd.nccl
     backend.close()
 
@@ -29,7 +34,7 @@ def test_nccl_that_cannot_load_is_named(monkeypatch):
     with pytest.raises(RuntimeError, match="libnccl could not load"):
         nccl_module(sd)
     with pytest.raises(RuntimeError, match="libnccl could not load"):
-        NcclBackend(MPI.COMM_SELF, 0, sd, Tracker("rules", 0, 1, 60.0))
+        NcclBackend(MPI.COMM_SELF, 0, sd, Tracker())
 
 
 # -- CUDA graph capture -----------------------------------------------------------------------------
