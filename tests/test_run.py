@@ -210,3 +210,11 @@ def record(rank, state, detail=""):
 ])
 def test_the_verdict_names_the_first_cause(records, code, expected):
     assert launch.verdict(records, code) == expected
+
+
+def test_a_rank_seen_dead_is_named_before_those_killed_after_it():
+    records = [record(0, "running"), record(1, "running"), record(2, "running")]
+    assert launch.verdict(records, -9, died=[2]) == (
+        137, "cupycomm.run: rank 2 (host h, pid 12) ended without finishing (it recorded no "
+             "end: os._exit, a signal or a crash); ranks 0, 1 did not finish; mpiexec was "
+             "killed by signal 9")

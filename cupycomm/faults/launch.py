@@ -164,6 +164,7 @@ class _Forwarder:
 
     def __init__(self) -> None:
         self.signal: Optional[int] = None   # the first signal that arrived
+        self.died: List[int] = []   # ranks of this host seen dead without an end recorded
         self._arrived = 0
         self._previous = {s: signal.signal(s, self._handle)
                           for s in (signal.SIGINT, signal.SIGTERM)}
@@ -188,7 +189,8 @@ class _Forwarder:
                 _send(os.kill, child.pid, self.signal)
             if lost_at is None and now >= next_look:
                 next_look = now + 1.0
-                if _died_here(endings.read(directory, size)):
+                self.died = _died_here(endings.read(directory, size))
+                if self.died:
                     lost_at = now
             if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
                     or (lost_at is not None and now - lost_at > LOST_GRACE)):
@@ -210,12 +212,12 @@ def _send(kill, pid: int, number: int) -> None:
         pass
 
 
-def _died_here(records: Sequence[Optional[dict]]) -> bool:
-    """Whether a rank on this host has died without recording its end (ranks elsewhere are
-    the watchdog's and the heartbeats' to judge)."""
+def _died_here(records: Sequence[Optional[dict]]) -> List[int]:
+    """The ranks on this host that have died without recording their end (ranks elsewhere
+    are the watchdog's and the heartbeats' to judge)."""
     host = socket.gethostname()
-    return any(r is not None and r["state"] == endings.RUNNING and r["host"] == host
-               and not alive(r["pid"]) for r in records)
+    return [r["rank"] for r in records if r is not None and r["state"] == endings.RUNNING
+            and r["host"] == host and not alive(r["pid"])]
 
 
 def _who(record: dict) -> str:
@@ -227,10 +229,11 @@ def _ranks(ranks: List[int]) -> str:
 
 
 def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = "mpiexec",
-            stopped_by: Optional[int] = None) -> Tuple[int, str]:
+            stopped_by: Optional[int] = None, died: Sequence[int] = ()) -> Tuple[int, str]:
     """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
     left ``records`` (:func:`cupycomm.faults.endings.read`) and whose launcher exited with
-    ``returncode`` (negative: killed by that signal).
+    ``returncode`` (negative: killed by that signal); ``died``: ranks seen dead while the
+    job ran (named first: the others were killed after them).
 
     Example::
 
@@ -264,10 +267,11 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
         how = "raised" if first["state"] == endings.RAISED else "ended the job:"
         reason = f"{_who(first)} {how} {first['detail']}"
     else:
-        first = by_state[endings.RUNNING][0] if unfinished else None
+        running = by_state.get(endings.RUNNING, [])
+        first = next((r for r in running if r["rank"] in died), running[0] if running else None)
+        unfinished = [rank for rank in unfinished if first is None or rank != first["rank"]]
         reason = (f"{_who(first)} ended without finishing (it recorded no end: os._exit, a "
                   f"signal or a crash)" if first else "")
-        unfinished = unfinished[1:]
     parts = [reason] if reason else []
     if unfinished:
         parts.append(f"{_ranks(unfinished)} did not finish")
@@ -311,7 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         returncode = forwarder.wait(subprocess.Popen(argv_, env=env, start_new_session=True),
                                     directory, options.n)
         status, line = verdict(endings.read(directory, options.n), returncode,
-                               os.path.basename(launcher.executable), forwarder.signal)
+                               os.path.basename(launcher.executable), forwarder.signal,
+                               forwarder.died)
     finally:
         forwarder.restore()
         shutil.rmtree(directory, ignore_errors=True)

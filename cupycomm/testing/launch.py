@@ -49,8 +49,10 @@ class Launched:
 
 
 def launch_environment(extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """This process's environment without the launcher's variables, plus ``extra``."""
+    """This process's environment without the launcher's variables and cupycomm.run's job
+    directory (a job of its own records its ranks' ends apart), plus ``extra``."""
     env = launchers.nested_environment(os.environ)
+    env.pop("CUPYCOMM_RUN_DIR", None)
     env.update(extra or {})
     return env
 
