@@ -58,12 +58,11 @@ for n in ${RANKS:-1 2 3 4}; do
         run timeout 900 python -m pytest --mpi-isolated=no "${tests[@]}" "$@"
         continue
     fi
-    # The launcher's options that leave ending a failed job to cupycomm: hydra kills every
-    # rank itself when one exits without MPI_Finalize and may then exit 0 (an os._exit(0));
-    # without that, cupycomm's watchdog and the plugin's hang guard end the job, non-zero,
-    # naming the rank (see cupycomm.testing.no_auto_cleanup).
+    # cupycomm.run starts the environment's launcher with the options that leave ending a
+    # failed job to cupycomm (hydra kills every rank itself when one exits without
+    # MPI_Finalize and may then exit 0), and exits non-zero, naming the rank, whenever a rank
+    # ended without finishing, whatever the launcher says.
     # No colour: Open MPI gives its ranks a terminal, and CI reads the closing line as text.
-    eval "launcher=($(python -m cupycomm.launchers -n "$n" --leave-cleanup-to-cupycomm))"
-    run timeout 900 "${launcher[@]}" python -m pytest --color=no "${tests[@]}" "$@"
+    run timeout 900 python -m cupycomm.run -n "$n" -m pytest --color=no "${tests[@]}" "$@"
 done
 exit "$status"
