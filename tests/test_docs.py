@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from cupycomm._docs import call_table, dtype_table, variable_table
-from cupycomm.testing import launch_environment, no_auto_cleanup, run_mpiexec
+from cupycomm.testing import launch_environment, no_auto_cleanup, run_job, run_mpiexec
 
 pytestmark = pytest.mark.mpi(max_size=1)   # the snippets start jobs of their own
 
@@ -93,9 +93,10 @@ def test_readme_is_a_front_page_whose_links_work():
 
 
 def test_the_self_check_passes_as_the_readme_runs_it():
-    command = ".venv/bin/mpiexec -n 4 .venv/bin/python -m cupycomm"
+    command = ".venv/bin/python -m cupycomm.run -n 4 -m cupycomm"
     assert command in README.read_text()
-    job = run_mpiexec(4, "-m", "cupycomm", timeout=TIMEOUT)
+    assert command in (ROOT / "docs" / "getting-started.md").read_text()
+    job = run_job(4, "-m", "cupycomm", timeout=TIMEOUT)
     assert job.returncode == 0, job.output
     assert "self-check passed" in job.stdout
 
