@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import faulthandler
+import glob
 import os
 import signal
 import sys
@@ -51,6 +52,18 @@ def _stack_file(pid: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"cupycomm-stack-{pid}.txt")
 
 
+def _remove_stale_stack_files() -> None:
+    """Remove the stack files of processes that are gone: a rank that was killed, or left
+    with ``os._exit``, never closed its :class:`PeerStacks`."""
+    for path in glob.glob(_stack_file(0).replace("-0.txt", "-*.txt")):
+        pid = path.rsplit("-", 1)[1][:-len(".txt")]
+        if pid.isdigit() and not alive(int(pid)):
+            try:
+                os.unlink(path)
+            except OSError:   # another rank removed it first, or it is not ours to remove
+                pass
+
+
 class PeerStacks:
     """Stacks on request between the processes of one :class:`Board`, whose rows hold the
     fields ``asked`` (requests made of that row's process) and ``written`` (requests it has
@@ -69,6 +82,7 @@ class PeerStacks:
     def __init__(self, board: Board, asked: int, written: int) -> None:
         PeerStacks.active += 1
         self._board, self._asked, self._written = board, asked, written
+        _remove_stale_stack_files()
         self._fd = os.open(_stack_file(os.getpid()), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         faulthandler.register(signal.SIGUSR1, file=self._fd, all_threads=True)
 
