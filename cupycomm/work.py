@@ -141,16 +141,19 @@ class DeviceWork(Work):
 
     ``captured``: the collective was captured in a CUDA graph; its event is a graph node,
     which CUDA forbids querying: such a Work completes when ``wait()`` (in the capture) joins
-    it, and cannot be synchronized.
+    it, and cannot be synchronized. ``own_event``: the event is this Work's alone (not a
+    batch() block's), so the backend may record it again for another Work once this one
+    has completed.
     """
 
-    __slots__ = ("_event", "_captured")
+    __slots__ = ("_event", "_captured", "_own_event")
 
     def __init__(self, event: Any, result: Any, keep: Sequence, owner: Any, label: str,
-                 captured: bool = False) -> None:
+                 captured: bool = False, own_event: bool = False) -> None:
         super().__init__(result, keep, owner, label)
         self._event = event
         self._captured = captured
+        self._own_event = own_event
 
     def _test(self) -> bool:
         # No event yet: a call inside a batch() block that has not ended.

@@ -334,3 +334,28 @@ def test_the_watchdogs_query_leaves_the_callers_current_device_alone(monkeypatch
             assert sd.Device.current_id() == 1
             x = comm.xp.asarray(np.ones(2))
             assert_equal(STANDIN, comm.all_reduce(x), np.full(2, float(comm.size)))
+
+
+def test_async_works_take_their_events_from_those_of_completed_works(dcomm, monkeypatch):
+    """An async call records the event of a Work that has completed instead of making one
+    (CUDA events cost a driver call to create); a batch() block's shared event is not reused."""
+    made = []
+    new_event = dcomm._nccl._new_event
+    monkeypatch.setattr(dcomm._nccl, "_new_event", lambda **kw: made.append(1) or new_event(**kw))
+    x = sd.asarray(np.ones(2))
+    first = dcomm.all_reduce(x, async_op=True)
+    first.synchronize()
+    event = first._event
+    second = dcomm.all_reduce(x, async_op=True)
+    assert second._event is event and first.is_completed() and first.wait() is x
+    second.synchronize()
+    with dcomm.batch():
+        grouped = [dcomm.all_reduce(x, async_op=True), dcomm.all_reduce(x, async_op=True)]
+    for work in grouped:
+        work.synchronize()
+    third = dcomm.all_reduce(x, async_op=True)
+    assert third._event is event and grouped[0]._event is grouped[1]._event is not event
+    third.wait()
+    dcomm._nccl.stream.synchronize()
+    assert len(made) == 2   # the first Work's, and the block's
+    assert_equal(STANDIN, x, np.full(2, float(dcomm.size) ** 5))

@@ -157,6 +157,7 @@ class NcclBackend:
         self._runtime = cuda.runtime
         self._new_event = cuda.Event
         self._inflight: collections.deque = collections.deque()
+        self._spare_events: list = []   # events of completed async Works, to record again
         self._group: Any = None   # the open batch() block, if any
         self._aborted = ""        # why the NCCL communicator can no longer be used
         self._peer_lost = False
@@ -289,13 +290,17 @@ class NcclBackend:
               captured: bool) -> DeviceWork:
         """The Work of an ``async_op`` call just launched on ``stream``. Outside a capture it
         stays in ``_inflight`` (which keeps the arrays alive even if the caller drops the
-        Work) until it completes; a captured one is never queried, nor watched."""
-        inflight = self._inflight
+        Work) until it completes; a captured one is never queried, nor watched. Its event
+        comes from those of completed Works, and is only made new when there is none."""
+        inflight, spare = self._inflight, self._spare_events
         while not captured and inflight and inflight[0].is_completed():
-            inflight.popleft()
-        event = self._new_event(disable_timing=True)
+            done = inflight.popleft()
+            if done._own_event:   # (a batch() block's Works share theirs: not reused)
+                spare.append(done._event)   # a completed Work never reads it again
+                done._event = None
+        event = spare.pop() if spare else self._new_event(disable_timing=True)
         event.record(stream)
-        work = DeviceWork(event, result, keep, self, label, captured)
+        work = DeviceWork(event, result, keep, self, label, captured, own_event=True)
         if not captured:
             inflight.append(work)
         return work
@@ -499,4 +504,5 @@ class NcclBackend:
                 return
             self._aborted = "closed"   # the closing mark: the watchdog leaves it alone
             self._inflight.clear()
+            self._spare_events.clear()
             self._comm.destroy()
