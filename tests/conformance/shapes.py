@@ -47,7 +47,8 @@ PRODUCED = {("cupy.cuda.nccl.NcclCommunicator", 1): ("cupy.cuda.nccl.get_unique_
 
 # Stand-in classes reachable from no namespace of the stand-in: the CuPy class they stand for.
 CLASS_ALIASES = {"LocalNcclCommunicator": "cupy.cuda.nccl.NcclCommunicator",
-                 "_Pointer": "cupy.cuda.MemoryPointer", "_NullStream": "cupy.cuda.Stream"}
+                 "_Pointer": "cupy.cuda.MemoryPointer", "_NullStream": "cupy.cuda.Stream",
+                 "Graph": "cupy.cuda.Graph"}
 
 _INT32 = 2 ** 31
 _INT64 = 2 ** 63
