@@ -51,8 +51,10 @@ run() {
     "$@" || status=$?
 }
 read -r -d '' -a tests <<< "${TESTS:-tests}" || true   # words, across lines
+sizes=${RANKS:-1 2 3 4}
+unset RANKS TESTS   # ours, not the tests' (benchmarks/run_matrix reads a RANKS of its own)
 # A hard bound on each pass on top of the plugin's per-test timeout: nothing can hang CI.
-for n in ${RANKS:-1 2 3 4}; do
+for n in $sizes; do
     if [ "$n" = 1 ]; then
         # isolated mode off: the mpiexec passes below run the other sizes
         run timeout 900 python -m pytest --mpi-isolated=no "${tests[@]}" "$@"

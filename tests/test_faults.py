@@ -190,8 +190,7 @@ CUPYCOMM_NAMES = {   # scenario: (ranks per node, what cupycomm's message says o
 # before any heartbeat is missed; hydra names the node and the signal then.
 KILLED_BY_A_SIGNAL = ("sigkill", "node-sigkill")
 simulates_nodes = pytest.mark.skipif(LAUNCHER not in SIMULATES_NODES,
-                                     reason="only MPICH's and Intel MPI's hydra can simulate "
-                                            "nodes")
+                                     reason="only MPICH's hydra can simulate nodes")
 
 
 def run_on_nodes(name, ranks_per_node, cleanup, timeout=60):

@@ -77,7 +77,7 @@ def test_a_subgroup_within_one_node_has_no_heartbeats():
 
 @pytest.mark.mpi(max_size=1)
 @pytest.mark.skipif(find().kind not in SIMULATES_NODES,
-                    reason="only MPICH's and Intel MPI's hydra can simulate nodes")
+                    reason="only MPICH's hydra can simulate nodes")
 def test_the_suite_passes_on_two_simulated_nodes():
     """This file and the host collectives (float64, sum: every collective) on 2 + 1 ranks of
     two nodes, every communicator closing cleanly: no heartbeat is left behind, nothing is
