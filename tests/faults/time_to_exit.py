@@ -11,13 +11,14 @@ The fault suite (tests/test_faults.py, tests/test_plugin.py) asserts the bounds;
 records the figures. With ``--nodes``: the faults of a rank or a whole node on another
 (simulated) node while the others wait in all_reduce, under hydra's default cleanup and
 with ``-disable-auto-cleanup``, with the default collective timeout (600 s: only the
-heartbeats, at their default bound, can end these jobs in time).
+heartbeats, at their default bound, can end these jobs in time), and through
+``python -m cupycomm.run`` (which adds ``-disable-auto-cleanup`` itself).
 """
 import argparse
 import statistics
 from pathlib import Path
 
-from cupycomm.testing import no_auto_cleanup, run_mpiexec, simulated_nodes
+from cupycomm.testing import no_auto_cleanup, run_job, run_mpiexec, simulated_nodes
 
 SCENARIOS = ["raise-before-collective", "raise-with-receive-pending", "sys-exit-0", "os-exit-0",
              "sigkill", "never-arrives", "hold-gil", "hold-gil-idle", "debug-mismatch-count",
@@ -76,22 +77,27 @@ def across_nodes(runs: int, options: list, names: list) -> None:
           f"{'worst s':>8s} {'median s':>9s}")
     for name in names:
         ranks_per_node = NODE_SCENARIOS[name]
+        n, nodes = sum(ranks_per_node), simulated_nodes(*ranks_per_node)
+        env = {"CUPYCOMM_TIMEOUT": "600"}
+        failed = ("node1",) + tuple(f"rank {r} " for r in range(ranks_per_node[0], n))
         for cleanup, extra in (("hydra's", []), ("-disable-auto-cleanup", options)):
-            label = f"{name} {ranks_per_node}, {cleanup}"
-            report(label, [run_mpiexec(sum(ranks_per_node), SCRIPT, name, timeout=60,
-                                       mpiexec_args=extra + simulated_nodes(*ranks_per_node),
-                                       env={"CUPYCOMM_TIMEOUT": "600"})
-                           for _ in range(runs)], width=62, names="node1")
+            report(f"{name} {ranks_per_node}, {cleanup}",
+                   [run_mpiexec(n, SCRIPT, name, timeout=60, mpiexec_args=extra + nodes,
+                                env=env) for _ in range(runs)], width=62, names=failed)
+        report(f"{name} {ranks_per_node}, cupycomm.run",
+               [run_job(n, SCRIPT, name, timeout=60, options=nodes, env=env)
+                for _ in range(runs)], width=62, names=failed)
 
 
-def report(name: str, jobs: list, width: int = 40, names: str = "") -> None:
-    """One line: the statuses, worst and median times, hangs, and how many runs printed
-    ``names`` (the failed node's name, in cupycomm's message or hydra's)."""
+def report(name: str, jobs: list, width: int = 40, names: tuple = ()) -> None:
+    """One line: the statuses, worst and median times, hangs, and how many runs printed one
+    of ``names`` (the failed node's name, in cupycomm's message or hydra's, or a failed
+    rank's)."""
     codes = sorted({job.returncode for job in jobs})
     times = [job.elapsed for job in jobs]
     hung = " (HUNG)" if any(job.timed_out for job in jobs) else ""
-    named = (f" named {sum(names in job.output for job in jobs)}/{len(jobs)}" if names
-             else "")
+    named = (f" named {sum(any(n in job.output for n in names) for job in jobs)}/{len(jobs)}"
+             if names else "")
     print(f"{name:{width}s} {str(codes):14s} {max(times):8.2f} "
           f"{statistics.median(times):9.2f}{named}{hung}", flush=True)
 
