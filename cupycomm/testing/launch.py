@@ -59,6 +59,14 @@ def launch_environment(extra: Optional[Mapping[str, str]] = None) -> Dict[str, s
     return env
 
 
+def _check_job(caller: str, n: Any, timeout: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{caller}: n must be a number of ranks >= 1, got {n!r}")
+    if not timeout > 0:
+        raise ValueError(f"{caller}: timeout must be a positive number of seconds, got "
+                         f"{timeout!r}")
+
+
 def run_mpiexec(n: int, *args: str, timeout: float, env: Optional[Mapping[str, str]] = None,
                 cwd: Optional[str] = None, mpiexec: Optional[str] = None,
                 mpiexec_args: Sequence[str] = ()) -> Launched:
@@ -80,11 +88,7 @@ def run_mpiexec(n: int, *args: str, timeout: float, env: Optional[Mapping[str, s
         job = run_mpiexec(2, "examples/mean_across_ranks.py", timeout=60)
         assert job.returncode == 0, job.output
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"run_mpiexec: n must be a number of ranks >= 1, got {n!r}")
-    if not timeout > 0:
-        raise ValueError(f"run_mpiexec: timeout must be a positive number of seconds, "
-                         f"got {timeout!r}")
+    _check_job("run_mpiexec", n, timeout)
     start = time.monotonic()
     with start_mpiexec(n, *args, env=env, cwd=cwd, mpiexec=mpiexec, mpiexec_args=mpiexec_args,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE) as job:
@@ -154,11 +158,7 @@ def run_job(n: int, *args: str, timeout: float, env: Optional[Mapping[str, str]]
         job = run_job(4, "examples/mean_across_ranks.py", timeout=60)
         assert job.returncode == 0, job.output
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"run_job: n must be a number of ranks >= 1, got {n!r}")
-    if not timeout > 0:
-        raise ValueError(f"run_job: timeout must be a positive number of seconds, got "
-                         f"{timeout!r}")
+    _check_job("run_job", n, timeout)
     argv = [sys.executable, "-m", "cupycomm.run", "-n", str(n), *options, *args]
     start = time.monotonic()
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
