@@ -76,6 +76,9 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("CUPYCOMM_RUN_DIR", _text, "",
              "the job directory where each rank records how it ended (set by python -m "
              "cupycomm.run)"),
+    Variable("CUPYCOMM_RUN_SIZE", _count, 0,
+             "the number of ranks of that job: a process of another world size (a program "
+             "a rank starts) records nothing there (set by python -m cupycomm.run)"),
     Variable("CUPYCOMM_BENCH_COMMAND", _text, "",
              "the command line python -m cupycomm.bench records (set by benchmarks/run_matrix)"),
 )

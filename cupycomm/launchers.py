@@ -94,7 +94,10 @@ _CONFIGURATION = ("OMPI_MCA_*", "PMIX_MCA_*", "PRTE_MCA_*", "OMPI_ALLOW_RUN_AS_R
                   "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_CC", "OMPI_CXX", "OMPI_FC",
                   "OMPI_CPPFLAGS", "OMPI_CFLAGS", "OMPI_CXXFLAGS", "OMPI_FCFLAGS",
                   "OMPI_LDFLAGS", "OMPI_LIBS")
-_GIVEN = tuple(p for row in KINDS.values() for p in row.gives)
+# cupycomm.run is a launcher too: its job directory and size belong to that job alone, not to
+# a job one of its ranks starts (whose ranks would overwrite the outer ranks' records).
+_GIVEN = tuple(p for row in KINDS.values() for p in row.gives) + ("CUPYCOMM_RUN_DIR",
+                                                                   "CUPYCOMM_RUN_SIZE")
 _GIVEN_AS_CONFIGURATION = tuple(p for row in KINDS.values() for p in row.gives_as_configuration)
 
 

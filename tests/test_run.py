@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -163,9 +164,9 @@ def test_open_mpi_gets_its_prefix_option_and_is_told_to_pass_the_variables(tmp_p
                                   "node", "job.py")
     assert code == 0, err
     argv = json.loads(out)
-    assert argv[:7] == ["--tag-output", "-x", "CUPYCOMM_RUN_DIR", "-x", "CUPYCOMM_TIMEOUT",
-                        "--map-by", "node"], argv
-    assert argv[7:] == ["-n", "2", sys.executable, "job.py"], argv
+    assert argv[:9] == ["--tag-output", "-x", "CUPYCOMM_RUN_DIR", "-x", "CUPYCOMM_RUN_SIZE",
+                        "-x", "CUPYCOMM_TIMEOUT", "--map-by", "node"], argv
+    assert argv[9:] == ["-n", "2", sys.executable, "job.py"], argv
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -218,3 +219,26 @@ def test_a_rank_seen_dead_is_named_before_those_killed_after_it():
         137, "cupycomm.run: rank 2 (host h, pid 12) ended without finishing (it recorded no "
              "end: os._exit, a signal or a crash); ranks 0, 1 did not finish; mpiexec was "
              "killed by signal 9")
+
+
+def test_a_program_a_rank_starts_does_not_record_over_the_ranks(tmp_path):
+    """A rank of a cupycomm.run job starts a program that initialises cupycomm (a benchmark
+    run by a script, a singleton MPI world) and is killed: the job's own records stay those
+    of its ranks, and the job ends 0."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, subprocess, sys, time
+        import cupycomm
+        from cupycomm import launchers
+        comm = cupycomm.init()
+        if comm.rank == 0:   # a job of its own, given cupycomm.run's variables all the same
+            env = dict(launchers.nested_environment(os.environ),
+                       CUPYCOMM_RUN_DIR=os.environ["CUPYCOMM_RUN_DIR"],
+                       CUPYCOMM_RUN_SIZE=os.environ["CUPYCOMM_RUN_SIZE"])
+            subprocess.run([sys.executable, "-c",
+                            "import cupycomm, os; cupycomm.init(); os._exit(0)"], env=env)
+            time.sleep(5)   # longer than cupycomm.run waits before ending a job for a lost rank
+        comm.barrier()
+    """))
+    job = run_job(2, str(script), timeout=120)
+    assert job.returncode == 0, job.output

@@ -42,10 +42,13 @@ def _record_path(directory: str, rank: int) -> str:
 
 def start() -> None:
     """Write this rank's ``running`` record and record its end at exit; only under
-    ``cupycomm.run`` (CUPYCOMM_RUN_DIR set), once per process."""
+    ``cupycomm.run`` (CUPYCOMM_RUN_DIR set), in a world of the job's size (a program that
+    a rank starts and that inherited the variables records nothing), once per process."""
     global _path
     directory = _env.read("CUPYCOMM_RUN_DIR")
     if _path is not None or not directory:
+        return
+    if _bootstrap.world().Get_size() != _env.read("CUPYCOMM_RUN_SIZE"):
         return
     _path = _record_path(directory, _bootstrap.world().Get_rank())
     record(RUNNING)

@@ -302,7 +302,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FileNotFoundError as why:
         sys.stderr.write(f"cupycomm.run: {why}\n")
         return 2
-    variables = {"CUPYCOMM_RUN_DIR": directory}
+    variables = {"CUPYCOMM_RUN_DIR": directory, "CUPYCOMM_RUN_SIZE": str(options.n)}
     if options.timeout is not None:
         variables["CUPYCOMM_TIMEOUT"] = repr(options.timeout)
     if options.debug:

@@ -54,7 +54,6 @@ def launch_environment(extra: Optional[Mapping[str, str]] = None) -> Dict[str, s
     """This process's environment without the launcher's variables and cupycomm.run's job
     directory (a job of its own records its ranks' ends apart), plus ``extra``."""
     env = launchers.nested_environment(os.environ)
-    env.pop("CUPYCOMM_RUN_DIR", None)
     env.update(extra or {})
     return env
 
