@@ -592,17 +592,28 @@ def _outside_mpiexec(**extra):
     return env
 
 
-def test_run_matrix_dry_run_plans_2_3_and_4_ranks():
+def test_run_matrix_dry_run_plans_every_part_on_1_to_4_ranks():
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_matrix"), "--dry-run"],
                           capture_output=True, text=True, env=_outside_mpiexec(), timeout=60)
     assert done.returncode == 0, done.stderr
-    for n in (2, 3, 4):
+    for n in (1, 2, 3, 4):
         # no venv active, none on PATH: the commands name .venv's launcher (with the options
         # cupycomm.launchers gives it) and interpreter
-        assert re.search(rf"^\+ \S*\.venv/bin/mpiexec -n {n}( \S+)* \.venv/bin/python "
-                         rf"-m cupycomm\.bench ", done.stdout, re.MULTILINE), done.stdout
-    assert "--compare" in done.stdout and "--csv benchmarks/results/" in done.stdout
+        launcher = rf"^\+ \S*\.venv/bin/mpiexec -n {n}( \S+)* \.venv/bin/python "
+        for part, command, stem in [
+                ("host", r"-m cupycomm\.bench -b 8 -e 64M .*--backend host --compare", f"host_n{n}"),
+                ("host_8B", r"-m cupycomm\.bench -b 8 -e 8 -n 2000 .*--backend host --compare",
+                 f"host_n{n}_8B"),
+                ("standin", r"-m cupycomm\.bench .*--device-module tests/nccl_standin\.py "
+                 r"--no-work --compare", f"standin_n{n}"),
+                ("callpath", r"benchmarks/callpath\.py", f"callpath_n{n}")]:
+            assert re.search(rf"{launcher}{command}.* > benchmarks/results/\S+_{stem}\.txt$",
+                             done.stdout, re.MULTILINE), (part, done.stdout)
     assert "pip install" in done.stdout
+    unknown = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_matrix"), "--dry-run"],
+                             capture_output=True, text=True, timeout=60,
+                             env=_outside_mpiexec(PARTS="host plot"))
+    assert unknown.returncode == 2 and "no part 'plot'" in unknown.stderr
 
 
 def test_run_matrix_runs_with_nothing_on_path_and_leaves_no_file_when_a_run_fails(out_dir):
@@ -611,8 +622,8 @@ def test_run_matrix_runs_with_nothing_on_path_and_leaves_no_file_when_a_run_fail
     writes nothing, the other's table, CSV and plot are there and record the exact command."""
     if WORLD.Get_rank() != 0:
         return
-    env = _outside_mpiexec(VIRTUAL_ENV=sys.prefix, RANKS="1", RESULTS=str(out_dir),
-                           MACHINE="box", DATE="today", ITERS="2")
+    env = _outside_mpiexec(VIRTUAL_ENV=sys.prefix, RANKS="1", PARTS="host",
+                           RESULTS=str(out_dir), MACHINE="box", DATE="today", ITERS="2")
     script = str(ROOT / "benchmarks" / "run_matrix")
     done = subprocess.run(["bash", script, "all_reduce", "-e", "64", "-w", "0", "--no-progress"],
                           capture_output=True, text=True, env=env, timeout=120)
@@ -629,7 +640,7 @@ def test_run_matrix_runs_with_nothing_on_path_and_leaves_no_file_when_a_run_fail
         path.unlink()
     failed = subprocess.run(["bash", script, "--root", "64"], capture_output=True, text=True,
                             env=env, timeout=120)
-    assert failed.returncode == 1 and "1 ranks failed" in failed.stderr
+    assert failed.returncode == 1 and "host on 1 ranks failed" in failed.stderr
     assert list(out_dir.iterdir()) == []
     # Interrupted midway (as soon as the run has started: the signal may reach the script
     # between its fork and anything after it): the run stops with it, within the script's
@@ -651,8 +662,15 @@ def test_run_matrix_runs_with_nothing_on_path_and_leaves_no_file_when_a_run_fail
         pytest.fail(f"run_matrix went on after SIGTERM:\n{stderr}")
     assert running.returncode == 130, stderr
     assert list(out_dir.iterdir()) == []
-    assert not [cmdline for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+    # Nothing of the run is left: a rank SIGKILLed by the script's last step may take a
+    # moment to go on a loaded machine, one that is still there after 5 s was never stopped.
+    for _ in range(50):
+        left = [cmdline for cmdline in Path("/proc").glob("[0-9]*/cmdline")
                 if _reads(cmdline) and str(out_dir) in _reads(cmdline)]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, [_reads(cmdline) for cmdline in left]
 
 
 def _reads(path):
