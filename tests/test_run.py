@@ -18,7 +18,7 @@ import pytest
 from cupycomm import launchers
 from cupycomm.faults import launch
 from cupycomm.faults.board import alive
-from cupycomm.testing import launch_environment, run_job
+from cupycomm.testing import SIMULATES_NODES, launch_environment, run_job, simulated_nodes
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
@@ -108,6 +108,20 @@ def test_a_rank_that_exits_0_fails_the_job_naming_it(tmp_path, after):
     no_job_directory(tmp_path)
 
 
+@pytest.mark.skipif(launchers.find().kind not in SIMULATES_NODES,
+                    reason="only MPICH's hydra can simulate nodes")
+def test_the_reason_names_the_node_the_launcher_gave_the_rank(tmp_path):
+    """On simulated nodes every rank's host is this machine: the line names rank 2's node as
+    hydra gave it (node1), as the watchdog's messages do."""
+    code, out, err = cupycomm_run(tmp_path, EXITS_0.format(after="pass"), 3,
+                                  *simulated_nodes(2, 1), "job.py")
+    assert code != 0, out + err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("cupycomm.run: rank 2 (host node1, pid "), err
+    assert "ended without finishing" in line, line
+    no_job_directory(tmp_path)
+
+
 def test_an_exception_is_the_reason_given(tmp_path):
     code, out, err = cupycomm_run(tmp_path, RAISES, 3, "job.py")
     assert code != 0
@@ -190,7 +204,8 @@ def test_the_program_starts_at_a_script_a_module_or_after_a_double_dash():
 
 
 def record(rank, state, detail=""):
-    return {"rank": rank, "host": "h", "pid": 10 + rank, "state": state, "detail": detail}
+    return {"rank": rank, "node": "h", "host": "vm", "pid": 10 + rank, "state": state,
+            "detail": detail}
 
 
 @pytest.mark.parametrize("records, code, expected", [

@@ -38,11 +38,11 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from .. import _env
+from .._bootstrap import node_name
 from .._collectives import CALLS
 
 __all__ = ["Recorder", "summarize", "read", "report_all", "install_signal", "report_signal",
-           "node_name", "main",
-           "DUMP_AFTER", "DUMP_EVERY"]
+           "main", "DUMP_AFTER", "DUMP_EVERY"]
 
 DUMP_AFTER = 1.0
 """Seconds a call waits before this rank writes its file (CUPYCOMM_FLIGHT_RECORDER)."""
@@ -50,12 +50,6 @@ DUMP_EVERY = 10.0
 """Seconds between two writes of it while the call goes on waiting."""
 
 _recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
-
-
-def node_name() -> str:
-    """This rank's node: the host name its launcher gave it (hydra's ``-hosts`` names, which
-    simulate nodes on one machine), else the machine's."""
-    return os.environ.get("PMI_HOSTNAME") or socket.gethostname()
 
 
 class Recorder:

@@ -213,15 +213,18 @@ def _send(kill, pid: int, number: int) -> None:
 
 
 def _died_here(records: Sequence[Optional[dict]]) -> List[int]:
-    """The ranks on this host that have died without recording their end (ranks elsewhere
-    are the watchdog's and the heartbeats' to judge)."""
+    """The ranks on this host (as the OS knows it: simulated nodes share it) that have died
+    without recording their end (ranks elsewhere are the watchdog's and the heartbeats' to
+    judge)."""
     host = socket.gethostname()
     return [r["rank"] for r in records if r is not None and r["state"] == endings.RUNNING
             and r["host"] == host and not alive(r["pid"])]
 
 
 def _who(record: dict) -> str:
-    return f"rank {record['rank']} (host {record['host']}, pid {record['pid']})"
+    """The rank, on the node its launcher gave it (a simulated node's name, where the OS knows
+    one host), as cupycomm's other messages say it."""
+    return f"rank {record['rank']} (host {record['node']}, pid {record['pid']})"
 
 
 def _ranks(ranks: List[int]) -> str:
