@@ -228,6 +228,36 @@ def test_the_verdict_names_the_first_cause(records, code, expected):
     assert launch.verdict(records, code) == expected
 
 
+def test_hydras_own_failure_after_every_rank_finished_is_not_the_jobs():
+    ended = [record(0, "ended"), record(1, "ended")]
+    assert launch.verdict(ended, 255, launcher_failed=True) == (
+        0, "cupycomm.run: every rank reached its end; mpiexec exited 255 after failing on its "
+           "own as the job ended (hydra's race with its exiting proxies)")
+    assert launch.verdict(ended, 255)[0] == 255
+    assert launch.verdict([record(0, "ended"), record(1, "running")], 255,
+                          launcher_failed=True)[0] == 255
+
+
+@pytest.mark.skipif(launchers.find().kind != "hydra", reason="hydra's own failure")
+def test_a_job_that_finished_ends_0_though_hydra_then_failed_on_its_own(tmp_path):
+    """A stand-in for hydra runs the job with the real one, then fails as hydra does when
+    it races its exiting proxies: cupycomm.run passes its words on and ends 0."""
+    fake, real = tmp_path / "mpiexec", launchers.find().executable
+    fake.write_text(f"#!/bin/sh\n"
+                    f"if [ \"$1\" = --version ]; then exec {real} \"$@\"; fi\n"
+                    f"{real} \"$@\"\n"
+                    f"echo '[mpiexec@vm] control_cb: unable to send SIGUSR1 downstream' >&2\n"
+                    f"exit 255\n")
+    fake.chmod(0o755)
+    code, out, err = cupycomm_run(tmp_path, FINISHES, 2, "--mpiexec", str(fake), "job.py")
+    assert code == 0, out + err
+    assert "unable to send SIGUSR1 downstream" in err, err
+    assert err.strip().splitlines()[-1].startswith(
+        "cupycomm.run: every rank reached its end; mpiexec exited 255 after failing"), err
+    code, out, err = cupycomm_run(tmp_path, RAISES, 2, "--mpiexec", str(fake), "job.py")
+    assert code != 0 and "raised RuntimeError: deliberate failure on rank 1" in err, err
+
+
 def test_a_rank_seen_dead_is_named_before_those_killed_after_it():
     records = [record(0, "running"), record(1, "running"), record(2, "running")]
     assert launch.verdict(records, -9, died=[2]) == (
