@@ -4,12 +4,15 @@ Under a plain ``mpiexec -n N`` every rank is on one node; the last test runs thi
 a short pass of the collective tests on two simulated nodes (hydra's ``-hosts``, see
 :func:`cupycomm.testing.simulated_nodes`), where each of these checks sees two.
 """
+import io
 from pathlib import Path
 
 import pytest
+from mpi4py import MPI
 
 import cupycomm
 from cupycomm import _bootstrap
+from cupycomm.faults import flight
 from cupycomm.faults.board import RANK
 from cupycomm.launchers import find
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
@@ -73,6 +76,27 @@ def test_a_subgroup_within_one_node_has_no_heartbeats():
         assert sub._tracker.beats is None
     finally:
         sub.close()
+
+
+def test_one_rank_per_node_prints_where_its_nodes_ranks_are(monkeypatch):
+    """The ranks report in turn, each node's leader last (as if it were dead, or slow): the
+    first of a node to report prints every rank of its node, the others only their own."""
+    monkeypatch.setattr(flight, "REPORT_WINDOW", 600.0)   # every turn falls within it
+    with cupycomm.init(MPI.COMM_WORLD) as comm:   # MPI's calls only: it stays at call #0
+        nodes = MPI.COMM_WORLD.allgather(_bootstrap.node_name())
+        here = [rank for rank, node in enumerate(nodes) if node == nodes[comm.rank]]
+        leaders = sorted({nodes.index(node) for node in nodes})
+        turns = [rank for rank in range(comm.size) if rank not in leaders] + leaders
+        block = io.StringIO()
+        for rank in turns:
+            if rank == comm.rank:
+                comm._tracker.flight.report("test", block)
+            MPI.COMM_WORLD.Barrier()
+    first = here[1] if len(here) > 1 else here[0]
+    ranks = (f"ranks {here[0]}-{here[-1]}" if comm.rank == first and len(here) > 1
+             else f"rank {comm.rank}")
+    lines = block.getvalue().splitlines()
+    assert lines[1:-1] == [f"  {ranks} ({nodes[comm.rank]}) completed #0 and is in no call"], lines
 
 
 @pytest.mark.mpi(max_size=1)

@@ -18,7 +18,7 @@ import pytest
 from cupycomm import launchers
 from cupycomm.faults import launch
 from cupycomm.faults.board import alive
-from cupycomm.testing import launch_environment, run_job
+from cupycomm.testing import SIMULATES_NODES, launch_environment, run_job, simulated_nodes
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
@@ -108,6 +108,20 @@ def test_a_rank_that_exits_0_fails_the_job_naming_it(tmp_path, after):
     no_job_directory(tmp_path)
 
 
+@pytest.mark.skipif(launchers.find().kind not in SIMULATES_NODES,
+                    reason="only MPICH's hydra can simulate nodes")
+def test_the_reason_names_the_node_the_launcher_gave_the_rank(tmp_path):
+    """On simulated nodes every rank's host is this machine: the line names rank 2's node as
+    hydra gave it (node1), as the watchdog's messages do."""
+    code, out, err = cupycomm_run(tmp_path, EXITS_0.format(after="pass"), 3,
+                                  *simulated_nodes(2, 1), "job.py")
+    assert code != 0, out + err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("cupycomm.run: rank 2 (host node1, pid "), err
+    assert "ended without finishing" in line, line
+    no_job_directory(tmp_path)
+
+
 def test_an_exception_is_the_reason_given(tmp_path):
     code, out, err = cupycomm_run(tmp_path, RAISES, 3, "job.py")
     assert code != 0
@@ -190,7 +204,8 @@ def test_the_program_starts_at_a_script_a_module_or_after_a_double_dash():
 
 
 def record(rank, state, detail=""):
-    return {"rank": rank, "host": "h", "pid": 10 + rank, "state": state, "detail": detail}
+    return {"rank": rank, "node": "h", "host": "vm", "pid": 10 + rank, "state": state,
+            "detail": detail}
 
 
 @pytest.mark.parametrize("records, code, expected", [
@@ -211,6 +226,36 @@ def record(rank, state, detail=""):
 ])
 def test_the_verdict_names_the_first_cause(records, code, expected):
     assert launch.verdict(records, code) == expected
+
+
+def test_hydras_own_failure_after_every_rank_finished_is_not_the_jobs():
+    ended = [record(0, "ended"), record(1, "ended")]
+    assert launch.verdict(ended, 255, launcher_failed=True) == (
+        0, "cupycomm.run: every rank reached its end; mpiexec exited 255 after failing on its "
+           "own as the job ended (hydra's race with its exiting proxies)")
+    assert launch.verdict(ended, 255)[0] == 255
+    assert launch.verdict([record(0, "ended"), record(1, "running")], 255,
+                          launcher_failed=True)[0] == 255
+
+
+@pytest.mark.skipif(launchers.find().kind != "hydra", reason="hydra's own failure")
+def test_a_job_that_finished_ends_0_though_hydra_then_failed_on_its_own(tmp_path):
+    """A stand-in for hydra runs the job with the real one, then fails as hydra does when
+    it races its exiting proxies: cupycomm.run passes its words on and ends 0."""
+    fake, real = tmp_path / "mpiexec", launchers.find().executable
+    fake.write_text(f"#!/bin/sh\n"
+                    f"if [ \"$1\" = --version ]; then exec {real} \"$@\"; fi\n"
+                    f"{real} \"$@\"\n"
+                    f"echo '[mpiexec@vm] control_cb: unable to send SIGUSR1 downstream' >&2\n"
+                    f"exit 255\n")
+    fake.chmod(0o755)
+    code, out, err = cupycomm_run(tmp_path, FINISHES, 2, "--mpiexec", str(fake), "job.py")
+    assert code == 0, out + err
+    assert "unable to send SIGUSR1 downstream" in err, err
+    assert err.strip().splitlines()[-1].startswith(
+        "cupycomm.run: every rank reached its end; mpiexec exited 255 after failing"), err
+    code, out, err = cupycomm_run(tmp_path, RAISES, 2, "--mpiexec", str(fake), "job.py")
+    assert code != 0 and "raised RuntimeError: deliberate failure on rank 1" in err, err
 
 
 def test_a_rank_seen_dead_is_named_before_those_killed_after_it():

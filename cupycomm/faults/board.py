@@ -9,11 +9,14 @@ are not on a node's board.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import mmap
 import os
 import tempfile
 import time
+from typing import Iterator
 
 import numpy as np
 from mpi4py import MPI
@@ -21,8 +24,8 @@ from mpi4py import MPI
 from .. import _bootstrap
 
 __all__ = ["Board", "NodeBoard", "alive", "shared_directory", "RANK", "PID", "LEFT", "SEQ",
-           "BUSY", "BUSY_SEQ", "LEFT_AT", "GONE", "GONE_STATE", "GONE_SEQ", "GONE_AT", "CLOSED",
-           "EXITING"]
+           "BUSY", "BUSY_SEQ", "LEFT_AT", "GONE", "GONE_STATE", "GONE_SEQ", "GONE_AT",
+           "REPORTED_AT", "CLOSED", "EXITING"]
 
 _names = itertools.count()
 
@@ -37,6 +40,7 @@ class Board:
     shared memory; made collectively over ``node``, which it does not keep.
 
     ``rows[i]`` is the row of ``node``'s rank ``i``; ``mine`` is this rank's, and starts zeroed.
+    :meth:`locked` is a lock its ranks share.
 
     Example::
 
@@ -54,17 +58,39 @@ class Board:
             with open(path, "wb") as f:
                 f.truncate(nbytes)
         path = node.bcast(path, root=0)
-        with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), nbytes)
+        self._file = open(path, "r+b")   # kept open: its flock is the lock of locked()
+        self._map = mmap.mmap(self._file.fileno(), nbytes)
         node.Barrier()   # everyone has mapped it: the name can go, the memory stays
         if self.index == 0:
             os.unlink(path)
         self.rows = np.frombuffer(self._map, np.int64).reshape(node.Get_size(), fields)
         self.mine = self.rows[self.index]
 
+    @contextlib.contextmanager
+    def locked(self, wait: float = 0.5) -> Iterator[bool]:
+        """Hold the lock the board's ranks share while inside (yields True); a peer that holds
+        it for longer than ``wait`` s (a stopped process) is not waited for: yields False,
+        without it. A rank that dies holding it releases it."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.005)
+        try:
+            yield True
+        finally:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
 
-# The fields of a NodeBoard row; the GONE_* fields are used on the leader's row only.
-RANK, PID, LEFT, SEQ, BUSY, BUSY_SEQ, LEFT_AT, GONE, GONE_STATE, GONE_SEQ, GONE_AT = range(11)
+
+# The fields of a NodeBoard row; the GONE_* fields are used on the leader's row only, and
+# REPORTED_AT on the first row only (by any rank: the leader may be dead).
+(RANK, PID, LEFT, SEQ, BUSY, BUSY_SEQ, LEFT_AT, GONE, GONE_STATE, GONE_SEQ, GONE_AT,
+ REPORTED_AT) = range(12)
 CLOSED, EXITING = 1, 2   # LEFT: why the rank left (0: it has not)
 
 
@@ -74,10 +100,11 @@ class NodeBoard(Board):
     started to exit) and when. The watchdog thread writes this rank's row and reads the
     others; the rank itself writes its row once more as it leaves, so that a peer knows how
     far it got before it went. The node's leader (the first row) also relays there what its
-    heartbeats learnt of ranks on other nodes (:mod:`cupycomm.faults.heartbeat`)."""
+    heartbeats learnt of ranks on other nodes (:mod:`cupycomm.faults.heartbeat`), and the board
+    says which rank prints the node's flight-recorder block (:meth:`first_to_report`)."""
 
     def __init__(self, node: MPI.Comm, rank: int) -> None:
-        super().__init__(node, 11)
+        super().__init__(node, 12)
         self.mine[RANK], self.mine[PID] = rank, os.getpid()
 
     def publish(self, seq: int, busy: int, busy_seq: int) -> None:
@@ -107,6 +134,19 @@ class NodeBoard(Board):
         leader = self.rows[0]
         gone = int(leader[GONE])
         return gone, int(leader[GONE_STATE]), int(leader[GONE_SEQ]), int(leader[GONE_AT])
+
+    def first_to_report(self, within: float) -> bool:
+        """Whether no rank of this node has reported in the last ``within`` s (then this
+        rank is the one, and the board says so from now): one rank per node, whichever
+        comes first, prints where every rank of the node is. True also where the lock is
+        not to be had (better the block twice than never)."""
+        first = self.rows[0]
+        with self.locked() as held:
+            now = time.monotonic_ns()   # the node's clock
+            if held and first[REPORTED_AT] and now - int(first[REPORTED_AT]) < within * 1e9:
+                return False
+            first[REPORTED_AT] = now
+            return True
 
     def peers(self) -> np.ndarray:
         """A snapshot of the other rows."""

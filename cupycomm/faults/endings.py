@@ -2,7 +2,8 @@
 
 ``cupycomm.run`` makes a job directory and names it in ``CUPYCOMM_RUN_DIR``. There
 :func:`start` (called by ``init()``) writes a record for its world rank, ``rank-<r>.json``:
-``running`` at once, and one of these at the end:
+``running`` at once, and one of these at the end (each record also says the rank's node as
+its launcher named it, the host as the OS knows it, and its pid):
 
 - ``ended``: the interpreter reached its exit (the program's end, ``sys.exit``);
 - ``raised``: an exception escaped (its type and message in ``detail``);
@@ -60,8 +61,9 @@ def record(state: str, detail: str = "") -> None:
     has not written one."""
     if _path is None:
         return
-    text = json.dumps({"rank": _bootstrap.world().Get_rank(), "host": socket.gethostname(),
-                       "pid": os.getpid(), "state": state, "detail": detail})
+    text = json.dumps({"rank": _bootstrap.world().Get_rank(), "node": _bootstrap.node_name(),
+                       "host": socket.gethostname(), "pid": os.getpid(), "state": state,
+                       "detail": detail})
     partial = f"{_path}.{os.getpid()}"
     try:
         with open(partial, "w") as f:

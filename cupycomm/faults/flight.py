@@ -17,7 +17,11 @@ node board), then its own last calls. For example::
       ranks 0-2 (nodeA) completed #41, wait in all_reduce #42 (rank 0 for 12 s)
       rank 0's last calls: #40 all_reduce mpi, done; #41 all_reduce mpi, done; #42 ...
 
-Ranks on other nodes are not on this node's board: each node reports its own. With
+Only the first rank of a node to report prints its node's ranks
+(``cupycomm.faults.board.NodeBoard.first_to_report``: whichever it is, so a dead
+leader leaves no node unreported); the others of that node that report within
+REPORT_WINDOW s print their own line and last calls. Ranks on other nodes are not on this
+node's board: each node reports its own. With
 ``CUPYCOMM_FLIGHT_RECORDER=DIR``, every rank also writes its state and ring to
 ``DIR/rank-<r>.json`` (the world communicator's; another communicator's go to
 ``DIR/<name>.rank-<r>.json``): when a call of its has waited 1 s (and every 10 s while it
@@ -38,24 +42,21 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from .. import _env
+from .._bootstrap import node_name
 from .._collectives import CALLS
 
 __all__ = ["Recorder", "summarize", "read", "report_all", "install_signal", "report_signal",
-           "node_name", "main",
-           "DUMP_AFTER", "DUMP_EVERY"]
+           "main", "DUMP_AFTER", "DUMP_EVERY", "REPORT_WINDOW"]
 
 DUMP_AFTER = 1.0
 """Seconds a call waits before this rank writes its file (CUPYCOMM_FLIGHT_RECORDER)."""
 DUMP_EVERY = 10.0
 """Seconds between two writes of it while the call goes on waiting."""
+REPORT_WINDOW = 2.0
+"""Seconds after a rank printed its node's ranks during which the node's other ranks print
+only their own (the ranks of a node report within a look or two of each other)."""
 
 _recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
-
-
-def node_name() -> str:
-    """This rank's node: the host name its launcher gave it (hydra's ``-hosts`` names, which
-    simulate nodes on one machine), else the machine's."""
-    return os.environ.get("PMI_HOSTNAME") or socket.gethostname()
 
 
 class Recorder:
@@ -135,10 +136,11 @@ class Recorder:
                 "pid": os.getpid(), "issued": seq, "completed": self._completed,
                 "waiting": wait, "calls": calls, "written_at": now}
 
-    def node_states(self) -> List[Dict[str, Any]]:
-        """This rank's state and, from the node board, its node peers' (their progress only)."""
+    def node_states(self, peers: bool = True) -> List[Dict[str, Any]]:
+        """This rank's state and, from the node board, its node peers' (their progress
+        only; none unless ``peers``)."""
         states = [self.state()]
-        if self.board is not None:
+        if self.board is not None and peers:
             from .board import BUSY, BUSY_SEQ, RANK, SEQ
             for row in self.board.peers():
                 busy = CALLS[row[BUSY] - 1].name if row[BUSY] else None
@@ -154,6 +156,17 @@ class Recorder:
         calls = self.state()["calls"][-8:]
         return "; ".join(f"#{c['seq']} {c['call']} {c['backend']}, "
                          f"{'done' if c['completed'] else 'not done'}" for c in calls) or "none"
+
+    def report(self, trigger: str, stream: Any) -> None:
+        """Print this communicator's block to ``stream`` (where its node's ranks are, if this
+        rank is its node's first to report; ``trigger`` says why) and write this rank's file."""
+        whole_node = self.board is None or self.board.first_to_report(REPORT_WINDOW)
+        lines = summarize(self.node_states(peers=whole_node))
+        stream.write(f"cupycomm flight recorder ({trigger}; communicator {self.name}, "
+                     f"seen from rank {self.rank} on {node_name()}):\n"
+                     + "".join(f"  {line}\n" for line in lines)
+                     + f"  rank {self.rank}'s last calls: {self.history()}\n")
+        self.dump()
 
     def close(self) -> None:
         """The communicator closed: write this rank's file a last time; no more reports."""
@@ -215,16 +228,11 @@ def summarize(states: Iterable[Dict[str, Any]]) -> List[str]:
 
 
 def report_all(trigger: str, stream: Any = None) -> None:
-    """Print each live communicator's block (see the module docstring) and write this rank's
+    """Print each live communicator's block (:meth:`Recorder.report`) and write this rank's
     files; ``trigger`` says why."""
     stream = stream or sys.stderr
     for recorder in list(_recorders):
-        lines = summarize(recorder.node_states())
-        stream.write(f"cupycomm flight recorder ({trigger}; communicator {recorder.name}, "
-                     f"seen from rank {recorder.rank} on {node_name()}):\n"
-                     + "".join(f"  {line}\n" for line in lines)
-                     + f"  rank {recorder.rank}'s last calls: {recorder.history()}\n")
-        recorder.dump()
+        recorder.report(trigger, stream)
     stream.flush()
 
 

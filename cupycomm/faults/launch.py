@@ -7,6 +7,12 @@ each rank's ``init()`` records how it ended (:mod:`cupycomm.faults.endings`); af
 every rank must have recorded its end, or the status is non-zero and one line on stderr says
 which rank did not finish and why. The directory is removed afterwards.
 
+One failure is the launcher's and not the job's: MPICH's hydra with ``-disable-auto-cleanup``
+on several nodes signals the other nodes' proxies at each rank's exit, and fails (status 255,
+"unable to send SIGUSR1 downstream") when one of them has just exited, after every rank
+finished. Its stderr passes through here, so a job whose every rank recorded its end and
+whose launcher said that ends 0, with a line saying so.
+
 The job is started as :class:`~cupycomm.launchers.Launcher` says, leaving the ending of a
 failed job to cupycomm (hydra: ``-disable-auto-cleanup``; Open MPI: ``--oversubscribe`` past
 the cores), in a session of its own: SIGINT and SIGTERM reach it once, from here (the
@@ -29,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -68,6 +75,8 @@ _PREFIX: Dict[str, Tuple[str, ...]] = {"hydra": ("-prepend-rank",),
                                        "intelmpi": ("-prepend-rank",),
                                        "openmpi": ("--tag-output",), "srun": ("--label",)}
 _EXPORT: Dict[str, str] = {"openmpi": "-x"}
+# What a launcher prints when it fails on its own at the end of a job that finished (above).
+_OWN_FAILURE: Dict[str, bytes] = {"hydra": b"unable to send SIGUSR1 downstream"}
 
 
 @dataclasses.dataclass
@@ -212,16 +221,43 @@ def _send(kill, pid: int, number: int) -> None:
         pass
 
 
+class _Stderr:
+    """Copies the launcher's stderr to ours as it comes, noting whether it said ``words``."""
+
+    def __init__(self, pipe, words: bytes) -> None:
+        self.said = False
+        self._pipe, self._words = pipe, words
+        self._thread = threading.Thread(target=self._copy, daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        last = b""
+        for chunk in iter(lambda: os.read(self._pipe.fileno(), 1 << 16), b""):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+            self.said = self.said or self._words in last[-len(self._words):] + chunk
+            last = chunk
+
+    def finish(self) -> None:
+        """Wait for the rest (not for ranks that outlive the launcher, holding the pipe)."""
+        self._thread.join(timeout=2.0)
+        if not self._thread.is_alive():
+            self._pipe.close()
+
+
 def _died_here(records: Sequence[Optional[dict]]) -> List[int]:
-    """The ranks on this host that have died without recording their end (ranks elsewhere
-    are the watchdog's and the heartbeats' to judge)."""
+    """The ranks on this host (as the OS knows it: simulated nodes share it) that have died
+    without recording their end (ranks elsewhere are the watchdog's and the heartbeats' to
+    judge)."""
     host = socket.gethostname()
     return [r["rank"] for r in records if r is not None and r["state"] == endings.RUNNING
             and r["host"] == host and not alive(r["pid"])]
 
 
 def _who(record: dict) -> str:
-    return f"rank {record['rank']} (host {record['host']}, pid {record['pid']})"
+    """The rank, on the node its launcher gave it (a simulated node's name, where the OS knows
+    one host), as cupycomm's other messages say it."""
+    return f"rank {record['rank']} (host {record['node']}, pid {record['pid']})"
 
 
 def _ranks(ranks: List[int]) -> str:
@@ -229,11 +265,13 @@ def _ranks(ranks: List[int]) -> str:
 
 
 def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = "mpiexec",
-            stopped_by: Optional[int] = None, died: Sequence[int] = ()) -> Tuple[int, str]:
+            stopped_by: Optional[int] = None, died: Sequence[int] = (),
+            launcher_failed: bool = False) -> Tuple[int, str]:
     """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
     left ``records`` (:func:`cupycomm.faults.endings.read`) and whose launcher exited with
     ``returncode`` (negative: killed by that signal); ``died``: ranks seen dead while the
-    job ran (named first: the others were killed after them).
+    job ran (named first: the others were killed after them); ``launcher_failed``: the
+    launcher said it failed on its own at the job's end (see the module's docstring).
 
     Example::
 
@@ -258,6 +296,9 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
     missing = [rank for rank, r in enumerate(records) if r is None]
     unfinished = [r["rank"] for r in by_state.get(endings.RUNNING, [])]
     if len(by_state.get(endings.ENDED, [])) == len(records):
+        if status and launcher_failed and returncode > 0:
+            return 0, (f"cupycomm.run: every rank reached its end; {exited} after failing on "
+                       f"its own as the job ended (hydra's race with its exiting proxies)")
         if status:
             return status, (f"cupycomm.run: every rank reached its end, but {exited} (a rank "
                             f"called sys.exit with a non-zero code?)")
@@ -310,13 +351,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = launcher.environment(os.environ)
     env.update(variables)
     argv_ = _job_argv(options, launcher, list(variables))
+    own_failure = _OWN_FAILURE.get(launcher.kind)
     forwarder = _Forwarder()
     try:
-        returncode = forwarder.wait(subprocess.Popen(argv_, env=env, start_new_session=True),
-                                    directory, options.n)
+        child = subprocess.Popen(argv_, env=env, start_new_session=True,
+                                 stderr=subprocess.PIPE if own_failure else None)
+        stderr = _Stderr(child.stderr, own_failure) if own_failure else None
+        returncode = forwarder.wait(child, directory, options.n)
+        if stderr is not None:
+            stderr.finish()
         status, line = verdict(endings.read(directory, options.n), returncode,
                                os.path.basename(launcher.executable), forwarder.signal,
-                               forwarder.died)
+                               forwarder.died, stderr is not None and stderr.said)
     finally:
         forwarder.restore()
         shutil.rmtree(directory, ignore_errors=True)

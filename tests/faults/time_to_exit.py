@@ -79,7 +79,7 @@ def across_nodes(runs: int, options: list, names: list) -> None:
         ranks_per_node = NODE_SCENARIOS[name]
         n, nodes = sum(ranks_per_node), simulated_nodes(*ranks_per_node)
         env = {"CUPYCOMM_TIMEOUT": "600"}
-        failed = ("node1",) + tuple(f"rank {r} " for r in range(ranks_per_node[0], n))
+        failed = ("node1", tuple(f"rank {r} " for r in range(ranks_per_node[0], n)))
         for cleanup, extra in (("hydra's", []), ("-disable-auto-cleanup", options)):
             report(f"{name} {ranks_per_node}, {cleanup}",
                    [run_mpiexec(n, SCRIPT, name, timeout=60, mpiexec_args=extra + nodes,
@@ -90,14 +90,19 @@ def across_nodes(runs: int, options: list, names: list) -> None:
 
 
 def report(name: str, jobs: list, width: int = 40, names: tuple = ()) -> None:
-    """One line: the statuses, worst and median times, hangs, and how many runs printed one
-    of ``names`` (the failed node's name, in cupycomm's message or hydra's, or a failed
-    rank's)."""
+    """One line: the statuses, worst and median times, hangs, and, given ``names`` (the failed
+    node's name, in cupycomm's message or hydra's; the failed ranks, 'rank 3 '), how many runs
+    printed either, and how many the node's and a rank's."""
     codes = sorted({job.returncode for job in jobs})
     times = [job.elapsed for job in jobs]
     hung = " (HUNG)" if any(job.timed_out for job in jobs) else ""
-    named = (f" named {sum(any(n in job.output for n in names) for job in jobs)}/{len(jobs)}"
-             if names else "")
+    named = ""
+    if names:
+        node, ranks = names
+        by_node = [node in job.output for job in jobs]
+        by_rank = [any(rank in job.output for rank in ranks) for job in jobs]
+        named = (f" named {sum(map(max, by_node, by_rank))}/{len(jobs)} (node {sum(by_node)}, "
+                 f"rank {sum(by_rank)})")
     print(f"{name:{width}s} {str(codes):14s} {max(times):8.2f} "
           f"{statistics.median(times):9.2f}{named}{hung}", flush=True)
 
