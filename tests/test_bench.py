@@ -535,8 +535,12 @@ def test_gpu_run_compares_with_raw_nccl(capfd):
 
 # -- the scripts' host-only parts -----------------------------------------------------------------
 def _script(*args, env=None):
+    """``bash *args``, outside the job we may run in: its python, importing cupycomm, starts
+    MPI, and with this rank's launcher variables it would join this job as this rank (under
+    Open MPI it then corrupted the shared-memory transport: the next test segfaulted)."""
     return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=60)
+                          env={**launchers.nested_environment(os.environ), **(env or {})},
+                          timeout=60)
 
 
 @pytest.mark.parametrize("variable", ["PMI_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID"])

@@ -57,6 +57,11 @@ if comm.rank == 0:
 comm.barrier()
 """
 
+# What --prefix-output puts before each line (the launcher's option: hydra's -prepend-rank,
+# Open MPI's --tag-output, srun's --label), the rank as its group
+RANK_PREFIX = {"hydra": r"\[(\d+)\] ", "intelmpi": r"\[(\d+)\] ",
+               "openmpi": r"\[\d+,(\d+)\]<stdout>: ", "srun": r" *(\d+): "}
+
 
 def cupycomm_run(tmp_path, script, n, *args):
     """(status, stdout, stderr) of ``python -m cupycomm.run -n n *args``, ``script`` being
@@ -64,7 +69,9 @@ def cupycomm_run(tmp_path, script, n, *args):
     (tmp_path / "job.py").write_text(script)
     job = run_job(n, *args, timeout=BOUND, cwd=str(tmp_path), env={"PYTHONUNBUFFERED": ""})
     assert not job.timed_out, f"cupycomm.run did not end within {BOUND} s:\n{job.output}"
-    return job.returncode, job.stdout, job.stderr
+    # Open MPI's launcher ends each of its messages ("prterun has exited due to ...") with a
+    # NUL byte, which would begin cupycomm.run's line on the shared stderr
+    return job.returncode, job.stdout, job.stderr.replace("\0", "")
 
 
 def no_job_directory(tmp_path):
@@ -78,7 +85,10 @@ def test_a_job_that_finishes_exits_0_and_its_options_reach_every_rank(tmp_path):
     assert code == 0, out + err
     for rank in range(3):
         assert (f"rank {rank}: sum 3 timeout 7 debug True args ['a', '-b']" in out), out
-    assert sorted(line[:3] for line in out.splitlines()) == ["[0]", "[1]", "[2]"], out
+    prefix = RANK_PREFIX.get(launchers.find().kind, RANK_PREFIX["hydra"])
+    ranks = [re.match(prefix + r"rank (\d+):", line) for line in out.splitlines()]
+    assert all(m and m[1] == m[2] for m in ranks), out   # each line, its rank's prefix
+    assert sorted(int(m[1]) for m in ranks) == [0, 1, 2], out
     assert "cupycomm.run" not in err, err
     no_job_directory(tmp_path)
 
