@@ -49,7 +49,7 @@ from ._dtypes import ReduceOp
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
 from ._dispatch import Dispatch
-from ._parts import JoinedShapes
+from ._parts import JoinedShapes, PartShapes
 from ._validate import Validation
 from .faults.watchdog import Tracker, unwatch, watch
 from .batch import Batch
@@ -128,6 +128,7 @@ class Communicator(Dispatch, Validation):
         self._blocking, self._started = self._prepared.blocking, self._prepared.started
         self._backends: dict = {np.ndarray: self._host}
         self._joined = JoinedShapes(self.size)
+        self._parts = PartShapes(self.size)
         self._device_choice = device
         self._cupy = device_module
         self._device_id: Optional[int] = None
@@ -347,18 +348,16 @@ class Communicator(Dispatch, Validation):
             comm.reduce_scatter(x)   # Rank 0: array([3, 6])   Rank 1: array([9, 12])
         """
         if (type(x) is _HOST and stream is None and x.flags.c_contiguous
-                and x.ndim and not x.shape[0] % self.size
+                and (part := self._parts[x.shape]) is not None
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
-                     and out.shape == (x.shape[0] // self.size,) + x.shape[1:]
-                     and out.flags.carray)):
+                     and out.shape == part and out.flags.carray)):
             try:
                 run = (self._started if async_op else self._blocking)["reduce_scatter"][
                     x.dtype][op]
             except (KeyError, TypeError):
                 run = self._prepared.find("reduce_scatter", x.dtype, op, async_op)
             if run is not None:
-                return run(x, np.empty((x.shape[0] // self.size,) + x.shape[1:], x.dtype)
-                           if out is None else out)
+                return run(x, np.empty(part, x.dtype) if out is None else out)
         if isinstance(x, (list, tuple)):
             return self._reduce_scatter_list(x, op, out, async_op, stream)
         b, x, spec = self._take("reduce_scatter", "x", x, op)
