@@ -24,16 +24,17 @@ Semantics shared by every method (documented here once):
 - **Zero-size and 0-d arrays** are valid wherever their shape is: a 0-d array reduces,
   broadcasts and is gathered into shape ``(size,)``; it has no leading axis to split.
 
-How a call runs (for contributors): a synchronous call on NumPy arrays whose every argument
-passes the common-case test written at the top of each method (exact ``numpy.ndarray``,
-C-contiguous, writable where written, ``out`` of the same dtype and an accepted shape, an int
+How a call runs (for contributors): a call on NumPy arrays whose every argument passes the
+common-case test written at the top of each method (exact ``numpy.ndarray``, C-contiguous,
+writable (and aligned) where written, ``out`` of the same dtype and an accepted shape, an int
 root or peer in range) takes the backend's *prepared call* for its (collective, dtype, op),
-made once and kept in ``_prepared`` (``cupycomm.backends.mpi.PreparedCalls``): the raw
-typed mpi4py call inside the watchdog's marks, two interpreter frames in all. Anything else
-(a failed test, a dtype or op with no prepared call, async_op, stream, a ``batch()`` block, a
-closed communicator, device and foreign arrays) takes the general path, which makes every
-check and raises the errors; so the fast path rejects exactly what the general path does
-(``tests/test_prepared.py`` runs the bad-input suite through it).
+made once and kept (``cupycomm.backends.mpi.PreparedCalls``; looked up in ``_blocking``, or
+``_started`` for async_op, which returns a :class:`~cupycomm.work.HostWork`): the raw typed
+mpi4py call inside the watchdog's marks, two interpreter frames in all. Anything else (a
+failed test, a dtype or op with no prepared call, stream, a ``batch()`` block, a closed
+communicator, device and foreign arrays) takes the general path, which makes every check and
+raises the errors; so the fast path rejects exactly what the general path does
+(``tests/test_prepared.py`` runs the bad-input suite through it, blocking and async).
 """
 from __future__ import annotations
 
@@ -101,8 +102,9 @@ class Communicator(Dispatch, Validation):
           lazily): read by ``_dispatch`` (which adds array types to ``_backends`` and loads
           ``_cupy``), ``coalesce`` and ``faults.debug`` (the host backend's control calls).
         - ``_batch`` (the open ``batch()`` block) and ``_closed``: read by ``_dispatch`` and
-          ``_validate``. ``_prepared``: the host's prepared calls, off while a batch() block
-          is open and once closed.
+          ``_validate``. ``_prepared``: the host's prepared calls (its tables ``blocking``
+          and ``started`` also as ``_blocking`` and ``_started``), off while a batch()
+          block is open and once closed.
         - ``_tracker`` (the watchdog's :class:`~cupycomm.faults.watchdog.Tracker`):
           ``objects`` counts its calls there; ``faults.debug`` reads the count.
         - ``_staging``: ``coalesce``'s buffers; ``_objects``: ``objects``' pickle transport (a

@@ -277,9 +277,9 @@ class MPIBackend:
         the Communicator (:class:`PreparedCalls`): the typed mpi4py call with its datatype
         (and op) bound, inside the watchdog's marks; blocking, or for ``async_op`` started
         and returning a :class:`~cupycomm.work.HostWork`. For a reduction (``reduces``), a
-        dict op's string -> call. None where a call needs more (a dtype
-        MPI takes as a carrier view, an average to divide) or the dtype is not valid: the
-        general path (the methods below) does those, and says what is wrong. Arguments,
+        dict op's string -> call. None (a reduction's op: None) where a call needs more (a
+        dtype MPI takes as a carrier view, an average to divide) or the dtype is not valid:
+        the general path (the methods below) does those, and says what is wrong. Arguments,
         checked by the caller: ``(x, recv)``, ``recv is x`` in place; rooted calls ``(x,
         recv, root)``, ``recv`` or ``x`` None where the rank does not use it; broadcast
         ``(x, root)``; sendrecv ``(x, dst, buf, src)``."""
