@@ -3,9 +3,9 @@ axis 0, and views of a flat buffer shaped as the arrays packed into it."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
-__all__ = ["offsets", "JoinedShapes", "views_of"]
+__all__ = ["offsets", "JoinedShapes", "PartShapes", "views_of"]
 
 
 def offsets(sizes: Sequence[int], base: int = 0) -> List[int]:
@@ -19,19 +19,10 @@ def offsets(sizes: Sequence[int], base: int = 0) -> List[int]:
     return [base + start for start in itertools.accumulate([0, *sizes[:-1]])] if sizes else []
 
 
-class JoinedShapes(dict):
-    """part shape -> the shapes accepted for ``size`` such parts joined along axis 0:
-    stacked ``(size, *part)`` first, then concatenated ``(size * part[0], *part[1:])``
-    (a 0-d part has only ``(size,)``).
-
-    Computed once per part shape: the call path only looks them up. At most :attr:`KEEP`
-    shapes are kept (then it starts over), so a program whose shapes keep changing does not
-    grow.
-
-    Example::
-
-        JoinedShapes(4)[(3,)]   # ((4, 3), (12,))
-    """
+class _ShapeTable(dict):
+    """A shape -> what ``size`` ranks make of it, computed once per shape so that the call
+    path only looks it up. At most :attr:`KEEP` shapes are kept (then it starts over), so a
+    program whose shapes keep changing does not grow."""
 
     KEEP = 1024
 
@@ -39,13 +30,45 @@ class JoinedShapes(dict):
         super().__init__()
         self.size = size
 
-    def __missing__(self, part: tuple) -> tuple:
+    def __missing__(self, shape: tuple) -> Any:
         if len(self) >= self.KEEP:
             self.clear()
+        value = self[shape] = self.compute(shape)
+        return value
+
+    def compute(self, shape: tuple) -> Any:
+        raise NotImplementedError
+
+
+class JoinedShapes(_ShapeTable):
+    """part shape -> the shapes accepted for ``size`` such parts joined along axis 0:
+    stacked ``(size, *part)`` first, then concatenated ``(size * part[0], *part[1:])``
+    (a 0-d part has only ``(size,)``).
+
+    Example::
+
+        JoinedShapes(4)[(3,)]   # ((4, 3), (12,))
+    """
+
+    def compute(self, part: tuple) -> tuple:
         n = self.size
-        shapes = ((n,),) if not part else ((n,) + part, (n * part[0],) + part[1:])
-        self[part] = shapes
-        return shapes
+        return ((n,),) if not part else ((n,) + part, (n * part[0],) + part[1:])
+
+
+class PartShapes(_ShapeTable):
+    """whole shape -> the shape of each of ``size`` equal parts along axis 0, or None where
+    the leading axis does not split so (a 0-d whole, or one not divisible by ``size``).
+
+    Example::
+
+        PartShapes(4)[(8, 3)]   # (2, 3)
+        PartShapes(4)[(6,)]     # None
+    """
+
+    def compute(self, whole: tuple) -> Optional[tuple]:
+        if not whole or whole[0] % self.size:
+            return None
+        return (whole[0] // self.size,) + whole[1:]
 
 
 def views_of(flat: Any, members: Sequence[Any]) -> List[Any]:

@@ -24,16 +24,17 @@ Semantics shared by every method (documented here once):
 - **Zero-size and 0-d arrays** are valid wherever their shape is: a 0-d array reduces,
   broadcasts and is gathered into shape ``(size,)``; it has no leading axis to split.
 
-How a call runs (for contributors): a synchronous call on NumPy arrays whose every argument
-passes the common-case test written at the top of each method (exact ``numpy.ndarray``,
-C-contiguous, writable where written, ``out`` of the same dtype and an accepted shape, an int
+How a call runs (for contributors): a call on NumPy arrays whose every argument passes the
+common-case test written at the top of each method (exact ``numpy.ndarray``, C-contiguous,
+writable (and aligned) where written, ``out`` of the same dtype and an accepted shape, an int
 root or peer in range) takes the backend's *prepared call* for its (collective, dtype, op),
-made once and kept in ``_prepared`` (``cupycomm.backends.mpi.PreparedCalls``): the raw
-typed mpi4py call inside the watchdog's marks, two interpreter frames in all. Anything else
-(a failed test, a dtype or op with no prepared call, async_op, stream, a ``batch()`` block, a
-closed communicator, device and foreign arrays) takes the general path, which makes every
-check and raises the errors; so the fast path rejects exactly what the general path does
-(``tests/test_prepared.py`` runs the bad-input suite through it).
+made once and kept (``cupycomm.backends.mpi.PreparedCalls``; looked up in ``_blocking``, or
+``_started`` for async_op, which returns a :class:`~cupycomm.work.HostWork`): the raw typed
+mpi4py call inside the watchdog's marks, two interpreter frames in all. Anything else (a
+failed test, a dtype or op with no prepared call, stream, a ``batch()`` block, a closed
+communicator, device and foreign arrays) takes the general path, which makes every check and
+raises the errors; so the fast path rejects exactly what the general path does
+(``tests/test_prepared.py`` runs the bad-input suite through it, blocking and async).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from ._dtypes import ReduceOp
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
 from ._dispatch import Dispatch
-from ._parts import JoinedShapes
+from ._parts import JoinedShapes, PartShapes
 from ._validate import Validation
 from .faults.watchdog import Tracker, unwatch, watch
 from .batch import Batch
@@ -101,8 +102,9 @@ class Communicator(Dispatch, Validation):
           lazily): read by ``_dispatch`` (which adds array types to ``_backends`` and loads
           ``_cupy``), ``coalesce`` and ``faults.debug`` (the host backend's control calls).
         - ``_batch`` (the open ``batch()`` block) and ``_closed``: read by ``_dispatch`` and
-          ``_validate``. ``_prepared``: the host's prepared calls, off while a batch() block
-          is open and once closed.
+          ``_validate``. ``_prepared``: the host's prepared calls (its tables ``blocking``
+          and ``started`` also as ``_blocking`` and ``_started``), off while a batch()
+          block is open and once closed.
         - ``_tracker`` (the watchdog's :class:`~cupycomm.faults.watchdog.Tracker`):
           ``objects`` counts its calls there; ``faults.debug`` reads the count.
         - ``_staging``: ``coalesce``'s buffers; ``_objects``: ``objects``' pickle transport (a
@@ -125,8 +127,10 @@ class Communicator(Dispatch, Validation):
             watch(self._tracker)
         self._host = MPIBackend(mpi_comm, self._tracker)
         self._prepared = PreparedCalls(self._host)
+        self._blocking, self._started = self._prepared.blocking, self._prepared.started
         self._backends: dict = {np.ndarray: self._host}
         self._joined = JoinedShapes(self.size)
+        self._parts = PartShapes(self.size)
         self._device_choice = device
         self._cupy = device_module
         self._device_id: Optional[int] = None
@@ -214,15 +218,14 @@ class Communicator(Dispatch, Validation):
             x = numpy.array([1, 2]) + 2 * comm.rank   # Rank 0: [1, 2]  Rank 1: [3, 4]
             comm.all_reduce(x, op="max")              # Rank 0: [3, 4]  Rank 1: [3, 4]
         """
-        if (type(x) is _HOST and not async_op and stream is None
-                and (flags := x.flags).c_contiguous
-                and (flags.writeable if out is None else
-                     type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
-                     and (flags := out.flags).c_contiguous and flags.writeable)):
+        if (type(x) is _HOST and stream is None
+                and (x.flags.carray if out is None else x.flags.c_contiguous
+                     and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
+                     and out.flags.carray)):
             try:
-                run = self._prepared["all_reduce", x.dtype, op]
-            except TypeError:   # an unhashable op: the general path says what is wrong
-                run = None
+                run = (self._started if async_op else self._blocking)["all_reduce"][x.dtype][op]
+            except (KeyError, TypeError):
+                run = self._prepared.find("all_reduce", x.dtype, op, async_op)
             if run is not None:
                 return run(x, x if out is None else out)
         b, x, spec = self._take("all_reduce", "x", x, op, writes=out is None)
@@ -245,15 +248,15 @@ class Communicator(Dispatch, Validation):
             x = numpy.array([1, 2]) * (comm.rank + 1)
             comm.reduce(x, root=0)   # Rank 0: array([3, 6])   Rank 1: None
         """
-        if (type(x) is _HOST and not async_op and stream is None and type(root) is int
-                and 0 <= root < self.size and (flags := x.flags).c_contiguous
-                and (flags.writeable if out is None else
-                     type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
-                     and (flags := out.flags).c_contiguous and flags.writeable)):
+        if (type(x) is _HOST and stream is None and type(root) is int
+                and 0 <= root < self.size
+                and (x.flags.carray if out is None else x.flags.c_contiguous
+                     and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
+                     and out.flags.carray)):
             try:
-                run = self._prepared["reduce", x.dtype, op]
-            except TypeError:   # an unhashable op: the general path says what is wrong
-                run = None
+                run = (self._started if async_op else self._blocking)["reduce"][x.dtype][op]
+            except (KeyError, TypeError):
+                run = self._prepared.find("reduce", x.dtype, op, async_op)
             if run is not None:
                 return run(x, (x if out is None else out) if root == self.rank else None, root)
         b, x, spec = self._take("reduce", "x", x, op, writes=out is None)
@@ -277,10 +280,12 @@ class Communicator(Dispatch, Validation):
             x = numpy.arange(3) if comm.rank == 0 else numpy.empty(3, int)
             comm.broadcast(x, root=0)   # Rank 0: [0, 1, 2]  Rank 1: [0, 1, 2]
         """
-        if (type(x) is _HOST and not async_op and stream is None and type(root) is int
-                and 0 <= root < self.size and (flags := x.flags).c_contiguous
-                and flags.writeable):
-            run = self._prepared["broadcast", x.dtype, None]
+        if (type(x) is _HOST and stream is None and type(root) is int
+                and 0 <= root < self.size and x.flags.carray):
+            try:
+                run = (self._started if async_op else self._blocking)["broadcast"][x.dtype]
+            except KeyError:
+                run = self._prepared.find("broadcast", x.dtype, None, async_op)
             if run is not None:
                 return run(x, root)
         b, x, spec = self._take("broadcast", "x", x, writes=True)
@@ -301,12 +306,13 @@ class Communicator(Dispatch, Validation):
             g = comm.all_gather(numpy.array([comm.rank, 10]))
             # Rank 0: array([[0, 10], [1, 10]])   Rank 1: the same
         """
-        if (type(x) is _HOST and not async_op and stream is None
-                and x.flags.c_contiguous
+        if (type(x) is _HOST and stream is None and x.flags.c_contiguous
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
-                     and out.shape in self._joined[x.shape]
-                     and (flags := out.flags).c_contiguous and flags.writeable)):
-            run = self._prepared["all_gather", x.dtype, None]
+                     and out.shape in self._joined[x.shape] and out.flags.carray)):
+            try:
+                run = (self._started if async_op else self._blocking)["all_gather"][x.dtype]
+            except KeyError:
+                run = self._prepared.find("all_gather", x.dtype, None, async_op)
             if run is not None:
                 return run(x, np.empty(self._joined[x.shape][0], x.dtype) if out is None
                            else out)
@@ -317,13 +323,18 @@ class Communicator(Dispatch, Validation):
         if out is None:
             return b.all_gather(x, b.empty(shapes[0], x.dtype, stream), spec, async_op, stream)
         if type(out) is not type(x) and isinstance(out, (list, tuple)):
-            out = self._check_parts("all_gather", "out", b, out, x)
-            whole = b.empty(shapes[0], x.dtype, stream)
-            parts = [whole[j, ...] for j in range(self.size)]   # views, 0-d ones too
-            return b.all_gather(x, whole, spec, async_op, stream, list(zip(out, parts)))
+            return self._all_gather_list(b, x, spec, out, async_op, stream)
         out = self._check_out("all_gather", "out", b, out, x, shapes,
                               " (size parts shaped like x)")
         return b.all_gather(x, out, spec, async_op, stream)
+
+    def _all_gather_list(self, b: Any, x: Any, spec: Any, out: Sequence, async_op: bool,
+                         stream: Any) -> Any:
+        """all_gather into a list of ``size`` arrays: into one array, then copied to them."""
+        out = self._check_parts("all_gather", "out", b, out, x)
+        whole = b.empty(self._joined[x.shape][0], x.dtype, stream)
+        parts = [whole[j, ...] for j in range(self.size)]   # views, 0-d ones too
+        return b.all_gather(x, whole, spec, async_op, stream, list(zip(out, parts)))
 
 
     def reduce_scatter(self, x: Any, *, op: Op = _SUM, out: Any = None,
@@ -338,18 +349,17 @@ class Communicator(Dispatch, Validation):
             x = numpy.array([1, 2, 3, 4]) * (comm.rank + 1)
             comm.reduce_scatter(x)   # Rank 0: array([3, 6])   Rank 1: array([9, 12])
         """
-        if (type(x) is _HOST and not async_op and stream is None and x.flags.c_contiguous
-                and x.ndim and not x.shape[0] % self.size
+        if (type(x) is _HOST and stream is None and x.flags.c_contiguous
+                and (part := self._parts[x.shape]) is not None
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
-                     and out.shape == (x.shape[0] // self.size,) + x.shape[1:]
-                     and (flags := out.flags).c_contiguous and flags.writeable)):
+                     and out.shape == part and out.flags.carray)):
             try:
-                run = self._prepared["reduce_scatter", x.dtype, op]
-            except TypeError:   # an unhashable op: the general path says what is wrong
-                run = None
+                run = (self._started if async_op else self._blocking)["reduce_scatter"][
+                    x.dtype][op]
+            except (KeyError, TypeError):
+                run = self._prepared.find("reduce_scatter", x.dtype, op, async_op)
             if run is not None:
-                return run(x, np.empty((x.shape[0] // self.size,) + x.shape[1:], x.dtype)
-                           if out is None else out)
+                return run(x, np.empty(part, x.dtype) if out is None else out)
         if isinstance(x, (list, tuple)):
             return self._reduce_scatter_list(x, op, out, async_op, stream)
         b, x, spec = self._take("reduce_scatter", "x", x, op)
@@ -401,13 +411,15 @@ class Communicator(Dispatch, Validation):
             comm.all_to_all(x, in_splits=[2, 0] if comm.rank == 0 else [1, 1])
             # Rank 0: [10, 11, 20]   Rank 1: [21]
         """
-        if (type(x) is _HOST and not async_op and stream is None and in_splits is None
+        if (type(x) is _HOST and stream is None and in_splits is None
                 and out_splits is None and x.flags.c_contiguous and x.ndim
                 and not x.shape[0] % self.size
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
-                     and out.shape == x.shape and (flags := out.flags).c_contiguous
-                     and flags.writeable)):
-            run = self._prepared["all_to_all", x.dtype, None]
+                     and out.shape == x.shape and out.flags.carray)):
+            try:
+                run = (self._started if async_op else self._blocking)["all_to_all"][x.dtype]
+            except KeyError:
+                run = self._prepared.find("all_to_all", x.dtype, None, async_op)
             if run is not None:
                 return run(x, np.empty(x.shape, x.dtype) if out is None else out)
         b, x, spec = self._take("all_to_all", "x", x)
@@ -420,6 +432,12 @@ class Communicator(Dispatch, Validation):
             else:
                 out = self._check_out("all_to_all", "out", b, out, x, (x.shape,))
             return b.all_to_all(x, out, spec, async_op, stream)
+        return self._all_to_all_v(b, x, spec, out, in_splits, out_splits, async_op, stream)
+
+    def _all_to_all_v(self, b: Any, x: Any, spec: Any, out: Any,
+                      in_splits: Optional[Sequence[int]], out_splits: Optional[Sequence[int]],
+                      async_op: bool, stream: Any) -> Any:
+        """all_to_all with uneven parts (``in_splits`` or ``out_splits`` given)."""
         if x.ndim == 0:
             raise self._fail(ValueError, "all_to_all", "x is 0-d: it has no leading axis to "
                                                        "split")
@@ -479,13 +497,15 @@ class Communicator(Dispatch, Validation):
             comm.scatter(x, root=0, out=numpy.empty(2, int))
             # Rank 0: array([1, 2])   Rank 1: array([3, 4])
         """
-        if (type(out) is _HOST and not async_op and stream is None and type(root) is int
-                and 0 <= root < self.size and (flags := out.flags).c_contiguous
-                and flags.writeable
+        if (type(out) is _HOST and stream is None and type(root) is int
+                and 0 <= root < self.size and out.flags.carray
                 and (x is None and root != self.rank
                      or type(x) is _HOST and x.dtype is out.dtype
                      and x.shape in self._joined[out.shape] and x.flags.c_contiguous)):
-            run = self._prepared["scatter", out.dtype, None]
+            try:
+                run = (self._started if async_op else self._blocking)["scatter"][out.dtype]
+            except KeyError:
+                run = self._prepared.find("scatter", out.dtype, None, async_op)
             if run is not None:
                 return run(x if root == self.rank else None, out, root)
         b, out, spec = self._take("scatter", "out", out, writes=True)
@@ -509,12 +529,14 @@ class Communicator(Dispatch, Validation):
             comm.gather(numpy.array([comm.rank]), root=0)
             # Rank 0: array([[0], [1]])   Rank 1: None
         """
-        if (type(x) is _HOST and not async_op and stream is None and type(root) is int
+        if (type(x) is _HOST and stream is None and type(root) is int
                 and 0 <= root < self.size and x.flags.c_contiguous
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
-                     and out.shape in self._joined[x.shape]
-                     and (flags := out.flags).c_contiguous and flags.writeable)):
-            run = self._prepared["gather", x.dtype, None]
+                     and out.shape in self._joined[x.shape] and out.flags.carray)):
+            try:
+                run = (self._started if async_op else self._blocking)["gather"][x.dtype]
+            except KeyError:
+                run = self._prepared.find("gather", x.dtype, None, async_op)
             if run is not None:
                 if root != self.rank:
                     out = None
@@ -567,11 +589,14 @@ class Communicator(Dispatch, Validation):
             # Rank 0: array([1])   Rank 1: array([0])
         """
         size = self.size
-        if (type(x) is _HOST and not async_op and stream is None and type(dst) is int
+        if (type(x) is _HOST and stream is None and type(dst) is int
                 and type(src) is int and 0 <= dst < size and 0 <= src < size
                 and x.flags.c_contiguous and type(buf) is _HOST and buf.dtype is x.dtype
-                and (flags := buf.flags).c_contiguous and flags.writeable):
-            run = self._prepared["sendrecv", x.dtype, None]
+                and buf.flags.carray):
+            try:
+                run = (self._started if async_op else self._blocking)["sendrecv"][x.dtype]
+            except KeyError:
+                run = self._prepared.find("sendrecv", x.dtype, None, async_op)
             if run is not None:
                 return run(x, dst, buf, src)
         self._check_rank("sendrecv", "dst", dst)

@@ -114,11 +114,26 @@ class HostWork(Work):
 
     __slots__ = ("_requests", "_finish")
 
+    # Made and waited for once per async_op call: so that the host's call path stays short,
+    # these set and clear Work's fields themselves, and wait() is one frame and the backend's
+    # wait_all, where a super() call would cost each one more.
     def __init__(self, requests: Optional[list], result: Any, keep: Sequence, owner: Any,
                  label: str, finish: Optional[Callable[[], None]] = None) -> None:
-        super().__init__(result, keep, owner, label)
+        self._result = result
+        self._keep = keep
+        self._done = False
+        self._owner = owner
+        self._label = label
         self._requests = requests
         self._finish = finish
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        if not self._done:
+            if timeout is not None or self._requests is None:
+                return super().wait(timeout)
+            self._owner.wait_all(self._requests, self._label)
+            self._complete()
+        return self._result
 
     def _test(self) -> bool:
         return self._requests is not None and self._owner.test_all(self._requests)
@@ -130,10 +145,12 @@ class HostWork(Work):
         self._complete()
 
     def _complete(self) -> None:
-        if self._finish is not None:
-            self._finish()
+        finish = self._finish
+        if finish is not None:
             self._finish = None
-        super()._complete()
+            finish()
+        self._done = True
+        self._keep = ()
 
 
 class DeviceWork(Work):

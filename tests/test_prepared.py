@@ -1,11 +1,14 @@
-"""The host's prepared calls (the fast path of a synchronous call on NumPy arrays): every
-collective takes them on its common case and gives the general path's result, and every bad
-input of the bad-input suite is still refused, before any communication, while they are
-ready for every (collective, dtype, op)."""
+"""The host's prepared calls (the fast path of a call on NumPy arrays, blocking and with
+async_op): every collective takes them on its common case and gives the general path's result,
+and every bad input of the bad-input suite is still refused, before any communication, while
+they are ready for every (collective, dtype, op)."""
+import inspect
+
 import numpy as np
 import pytest
 
 import cupycomm
+from cupycomm._dtypes import DTYPES
 from arrays import HOST, all_inputs, rank_input
 from test_validation import CASES, READ_ONLY_CASES
 
@@ -20,6 +23,19 @@ def _refuse(*args):
 def host(request):
     with HOST.comm() as comm:
         yield comm
+
+
+class AsyncCalls:
+    """The communicator, with ``async_op=True`` added to every call that takes it."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        found = getattr(self._comm, name)
+        if callable(found) and "async_op" in inspect.signature(found).parameters:
+            return lambda *args, **kwargs: found(*args, async_op=True, **kwargs)
+        return found
 
 
 def ring(comm):
@@ -57,31 +73,48 @@ NAMES = ["all_reduce", "all_reduce out", "reduce", "broadcast", "all_gather", "a
          "reduce_scatter", "all_to_all", "gather", "scatter", "sendrecv"]
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("name", NAMES)
-def test_the_common_case_takes_the_prepared_call(host, name, monkeypatch):
+def test_the_common_case_takes_the_prepared_call(host, name, async_op, monkeypatch):
     """With the backend's general methods made to fail, the common case still works: it ran
-    the prepared call, and gave the NumPy reference."""
-    call, expected = common_calls(host)[name]
+    the prepared call, and gave the NumPy reference (async: a Work whose wait() gives it)."""
+    call, expected = common_calls(AsyncCalls(host) if async_op else host)[name]
     monkeypatch.setattr(host._host, name.split()[0], _refuse)
     got = call()
+    if async_op:
+        assert isinstance(got, cupycomm.Work)
+        got = got.wait()
     if expected is None:
         assert got is None
     else:
         np.testing.assert_array_equal(got, expected)
 
 
-def test_a_reduce_op_member_takes_the_same_prepared_call_as_its_string(host):
+def test_a_reduce_op_member_takes_the_same_prepared_call_as_its_string(host, monkeypatch):
     x = rank_input(host.rank, (3,), F8)
     host.all_reduce(x.copy(), op="max")
-    ready = dict(host._prepared)
+    calls = host._prepared.blocking["all_reduce"][x.dtype]
+    made, ran = calls["max"], []
+    calls["max"] = lambda *args: ran.append(args) or made(*args)
+    monkeypatch.setattr(type(host._prepared), "find", _refuse)   # the lookup must not miss
     got = host.all_reduce(x.copy(), op=cupycomm.ReduceOp.MAX)
-    assert dict(host._prepared) == ready   # no new entry: the member found the string's
+    assert len(ran) == 1
     np.testing.assert_array_equal(got, all_inputs(host.size, (3,), F8).max(0))
 
 
-def test_async_batch_and_close_take_the_general_path(host):
-    x = np.ones(2)
-    assert isinstance(host.all_reduce(x, async_op=True), cupycomm.Work)
+def test_the_completed_started_calls_are_let_go(host):
+    """A started call's Work is kept in the backend's in-flight queue (MPI may write into its
+    arrays until it completes), and let go at the next start once it has completed."""
+    works = [host.all_reduce(np.ones(2), async_op=True) for _ in range(3)]
+    assert works[-1] in host._host._inflight
+    for work in works:
+        work.wait()
+    last = host.broadcast(np.ones(2), async_op=True)
+    assert list(host._host._inflight) == [last]
+    last.wait()
+
+
+def test_batch_and_close_take_the_general_path(host):
     with host.batch():
         work = host.all_reduce(np.ones(2))
         assert isinstance(work, cupycomm.Work)
@@ -92,41 +125,44 @@ def test_async_batch_and_close_take_the_general_path(host):
         host.all_reduce(np.ones(2))
 
 
-class _Tripwires(dict):
-    """Prepared calls that fail the test if they run: a stand-in for ``comm._prepared`` whose
-    every key with a real prepared call answers a tripwire."""
-
-    def __init__(self, backend):
-        super().__init__()
-        self._backend = backend
-
-    def __missing__(self, key):
-        return _refuse if self._backend.prepare(*key) is not None else None
-
-    def disable(self):
-        pass
-
-    def enable(self):
-        pass
+REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 
 
+def arm_tripwires(comm):
+    """Every prepared call of the communicator (blocking and started, each collective, table
+    dtype and op that has one) made ready, as a call that fails the test if it runs."""
+    prepared = comm._prepared
+    for async_op, tables in ((False, prepared.blocking), (True, prepared.started)):
+        for name, by_dtype in tables.items():
+            for dtype in DTYPES:
+                made = comm._host.prepare(name, dtype, name in REDUCTIONS, async_op)
+                if isinstance(made, dict):
+                    by_dtype[dtype] = {op: run and _refuse for op, run in made.items()}
+                else:
+                    by_dtype[dtype] = made and _refuse
+    assert any(by_dtype for by_dtype in prepared.started.values())
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_the_bad_input_suite_is_refused_while_prepared_calls_are_ready(host, case):
-    """Every bad input of tests/test_validation.py (host arrays): the same error, before any
-    communication, and no prepared call runs for it."""
+def test_the_bad_input_suite_is_refused_while_prepared_calls_are_ready(host, case, async_op):
+    """Every bad input of tests/test_validation.py (host arrays), blocking and with async_op:
+    the same error, before any communication, and no prepared call runs for it."""
     _, call, kind, pattern = case
-    host._prepared = _Tripwires(host._host)
+    arm_tripwires(host)
     seq = host._tracker.seq
     with pytest.raises(kind, match=pattern):
-        call(host, HOST)
+        call(AsyncCalls(host) if async_op else host, HOST)
     assert host._tracker.seq == seq, "communication started before the error"
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("name,arg,call", READ_ONLY_CASES,
                          ids=[f"{n}-{a}-{i}" for i, (n, a, _) in enumerate(READ_ONLY_CASES)])
-def test_read_only_results_are_refused_while_prepared_calls_are_ready(host, name, arg, call):
+def test_read_only_results_are_refused_while_prepared_calls_are_ready(host, name, arg, call,
+                                                                       async_op):
     if name == "recv" and host.size < 2:
         pytest.skip("recv needs 2 ranks (a rank cannot receive from itself); ran with 1")
-    host._prepared = _Tripwires(host._host)
+    arm_tripwires(host)
     with pytest.raises(ValueError, match=f"{name}: {arg} is read-only, but {name} writes"):
-        call(host)
+        call(AsyncCalls(host) if async_op else host)

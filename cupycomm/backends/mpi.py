@@ -73,121 +73,123 @@ _MOVEMENTS, _REDUCTIONS = _tables()
 _NO_SPEC = (None, None, False, None)
 
 
-# -- prepared calls: one maker per shape of MPI call. The watchdog's marks are written out in
-# each (``seq`` counts the call, ``busy`` names it while it blocks, one slot of the flight
-# recorder's ring holds it; see faults/watchdog.py):
-# a shared helper would cost every call one more interpreter frame.
-def _paired(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
-    """``call(send, recv[, op])``: all_reduce (in place when ``recv is x``),
-    reduce_scatter, all_gather, all_to_all."""
-    call = getattr(backend._comm, _MPI_CALLS[name])
-    tail = () if op is None else (op,)
+# -- prepared calls: the Communicator's fast path ------------------------------------------------
+# One row per collective: (the blocking and the nonblocking mpi4py call, the prepared call's
+# parameters, the mpi4py call's arguments, what it returns, what a started call keeps alive).
+# Each row and the two templates below make the blocking call and the started one (async_op):
+# the watchdog's marks (``seq`` counts the call, one slot of the flight recorder's ring names
+# it, ``busy`` names it while it blocks; see faults/watchdog.py) are written once, yet each
+# prepared call is one interpreter frame, which a shared helper would double.
+_SHAPES: Dict[str, tuple] = {
+    "all_reduce": ("Allreduce", "Iallreduce", "x, recv",
+                   "_IN_PLACE if recv is x else [x, datatype], [recv, datatype], op",
+                   "recv", "x, recv"),
+    "reduce_scatter": ("Reduce_scatter_block", "Ireduce_scatter_block", "x, recv",
+                       "[x, datatype], [recv, datatype], op", "recv", "x, recv"),
+    "all_gather": ("Allgather", "Iallgather", "x, recv", "[x, datatype], [recv, datatype]",
+                   "recv", "x, recv"),
+    "all_to_all": ("Alltoall", "Ialltoall", "x, recv", "[x, datatype], [recv, datatype]",
+                   "recv", "x, recv"),
+    # Rooted: ``recv`` is None off the root (``x`` for scatter); the root reduces in place
+    # when ``recv is x``.
+    "reduce": ("Reduce", "Ireduce", "x, recv, root",
+               "_IN_PLACE if recv is x else [x, datatype], "
+               "None if recv is None else [recv, datatype], op, root", "recv", "x, recv"),
+    "gather": ("Gather", "Igather", "x, recv, root",
+               "[x, datatype], None if recv is None else [recv, datatype], root",
+               "recv", "x, recv"),
+    "scatter": ("Scatter", "Iscatter", "x, recv, root",
+                "None if x is None else [x, datatype], [recv, datatype], root",
+                "recv", "x, recv"),
+    "broadcast": ("Bcast", "Ibcast", "x, root", "[x, datatype], root", "x", "x,"),
+    "sendrecv": ("Sendrecv", "Isendrecv", "x, dst, buf, src",
+                 "[x, datatype], dst, 0, [buf, datatype], src, 0", "buf", "x, buf"),
+}
+_BLOCKING = """
+def {name}({params}):
+    tracker.seq = seq = tracker.seq + 1
+    ring[seq % slots] = name
+    tracker.busy = name
+    try:
+        call({args})
+    finally:
+        tracker.busy = None
+    return {result}
+"""
+_STARTED = """
+def {name}({params}):
+    tracker.seq = seq = tracker.seq + 1
+    ring[seq % slots] = name
+    work = HostWork([call({args})], {result}, ({keep}), backend, name)
+    while inflight and (inflight[0]._done or inflight[0].is_completed()):
+        popleft()   # the oldest calls that completed; see MPIBackend._keep_until_done
+    inflight.append(work)
+    return work
+"""
+
+
+def _make(backend: "MPIBackend", name: str, datatype: Any, op: Any, async_op: bool) -> Callable:
+    """Collective ``name``'s prepared call (blocking, or started for ``async_op``) with
+    ``datatype`` and ``op`` bound; see :meth:`MPIBackend.prepare` for its arguments."""
+    blocking, started, params, args, result, keep = _SHAPES[name]
     tracker = backend._tracker
-    ring, slots = tracker.flight.calls, tracker.flight.size   # the flight recorder's
-
-    def run(x, recv):
-        tracker.seq = seq = tracker.seq + 1
-        ring[seq % slots] = name
-        tracker.busy = name
-        try:
-            call(_IN_PLACE if recv is x else [x, datatype], [recv, datatype], *tail)
-        finally:
-            tracker.busy = None
-        return recv
-    return run
+    scope = {"call": getattr(backend._comm, started if async_op else blocking),
+             "datatype": datatype, "op": op, "name": name, "tracker": tracker,
+             "ring": tracker.flight.calls, "slots": tracker.flight.size,
+             "_IN_PLACE": _IN_PLACE, "HostWork": HostWork, "backend": backend,
+             "inflight": backend._inflight, "popleft": backend._inflight.popleft}
+    source = (_STARTED if async_op else _BLOCKING).format(
+        name=name, params=params, args=args, result=result, keep=keep)
+    exec(compile(source, f"<cupycomm prepared {name}>", "exec"), scope)
+    return scope[name]
 
 
-def _rooted(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
-    """``call(send, recv[, op], root)``: reduce, gather (``recv`` None off the root), scatter
-    (``x`` None off the root); the root reduces in place when ``recv is x``."""
-    call = getattr(backend._comm, _MPI_CALLS[name])
-    tail = () if op is None else (op,)
-    tracker = backend._tracker
-    ring, slots = tracker.flight.calls, tracker.flight.size   # the flight recorder's
-
-    def run(x, recv, root):
-        send = (None if x is None else _IN_PLACE if recv is x and op is not None
-                else [x, datatype])
-        tracker.seq = seq = tracker.seq + 1
-        ring[seq % slots] = name
-        tracker.busy = name
-        try:
-            call(send, None if recv is None else [recv, datatype], *tail, root)
-        finally:
-            tracker.busy = None
-        return recv
-    return run
-
-
-def _broadcast(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
-    call = backend._comm.Bcast
-    tracker = backend._tracker
-    ring, slots = tracker.flight.calls, tracker.flight.size   # the flight recorder's
-
-    def run(x, root):
-        tracker.seq = seq = tracker.seq + 1
-        ring[seq % slots] = name
-        tracker.busy = name
-        try:
-            call([x, datatype], root)
-        finally:
-            tracker.busy = None
-        return x
-    return run
-
-
-def _sendrecv(backend: "MPIBackend", name: str, datatype: Any, op: Any) -> Callable:
-    call = backend._comm.Sendrecv
-    tracker = backend._tracker
-    ring, slots = tracker.flight.calls, tracker.flight.size   # the flight recorder's
-
-    def run(x, dst, buf, src):
-        tracker.seq = seq = tracker.seq + 1
-        ring[seq % slots] = name
-        tracker.busy = name
-        try:
-            call([x, datatype], dst, 0, [buf, datatype], src, 0)
-        finally:
-            tracker.busy = None
-        return buf
-    return run
-
-
-_MPI_CALLS = {"all_reduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block",
-              "all_gather": "Allgather", "all_to_all": "Alltoall", "reduce": "Reduce",
-              "gather": "Gather", "scatter": "Scatter"}
-_PREPARED: Dict[str, Callable] = {
-    "all_reduce": _paired, "reduce_scatter": _paired, "all_gather": _paired,
-    "all_to_all": _paired, "reduce": _rooted, "gather": _rooted, "scatter": _rooted,
-    "broadcast": _broadcast, "sendrecv": _sendrecv}
-
-
-class PreparedCalls(dict):
-    """(collective, dtype, op) -> the backend's prepared blocking call (or None where it has
-    none), made on first use and then only looked up. ``enabled`` False (a ``batch()`` block
-    is open, or the communicator closed): every lookup answers None, so that every call
+class PreparedCalls:
+    """The backend's prepared calls, made on first use and then only looked up:
+    ``blocking`` (and ``started``, for async_op) maps collective -> dtype -> the call, or for
+    a reduction -> dtype -> op -> the call; a dtype or op without one is None or absent.
+    ``find`` answers a lookup that missed. Disabled (a ``batch()`` block is open, or the
+    communicator closed), the tables are empty and ``find`` answers None, so that every call
     takes the general path.
 
     Example::
 
-        run = PreparedCalls(backend)["all_reduce", numpy.dtype("float32"), "sum"]
+        prepared = PreparedCalls(backend)
+        run = prepared.find("all_reduce", numpy.dtype("float32"), "sum")
         run(x, x)   # Allreduce(IN_PLACE, [x, MPI.FLOAT], MPI.SUM), watched
+        prepared.blocking["all_reduce"][numpy.dtype("float32")]["sum"] is run   # True
     """
 
+    __slots__ = ("blocking", "started", "enabled", "_backend")
+
     def __init__(self, backend: "MPIBackend") -> None:
-        super().__init__()
         self._backend = backend
+        self.blocking: Dict[str, dict] = {name: {} for name in _SHAPES}
+        self.started: Dict[str, dict] = {name: {} for name in _SHAPES}
         self.enabled = True
 
-    def __missing__(self, key: tuple) -> Optional[Callable]:
+    def find(self, name: str, dtype: Any, op: Any = None,
+             async_op: bool = False) -> Optional[Callable]:
+        """The prepared call that a lookup in ``blocking`` or ``started`` missed (making the
+        dtype's calls if it has none yet), or None where the general path must run."""
         if not self.enabled:
             return None
-        run = self[key] = self._backend.prepare(*key)
-        return run
+        by_dtype = (self.started if async_op else self.blocking)[name]
+        if dtype not in by_dtype:
+            by_dtype[dtype] = self._backend.prepare(name, dtype, op is not None, async_op)
+        calls = by_dtype[dtype]
+        if op is None:
+            return calls
+        try:
+            return calls.get(op)
+        except TypeError:   # an unhashable op: the general path says what is wrong
+            return None
 
     def disable(self) -> None:
         self.enabled = False
-        self.clear()
+        for tables in (self.blocking, self.started):
+            for by_dtype in tables.values():
+                by_dtype.clear()
 
     def enable(self) -> None:
         self.enabled = True
@@ -269,27 +271,31 @@ class MPIBackend:
         return finish
 
     # -- prepared blocking calls: the Communicator's fast path ------------------------------------
-    def prepare(self, name: str, dtype: np.dtype, op: Any = None) -> Optional[Callable]:
-        """The blocking call of collective ``name`` on arrays of ``dtype`` (reduced with
-        ``op``), made once and kept by the Communicator (:class:`PreparedCalls`): the typed
-        mpi4py call with its datatype and op bound, inside the watchdog's marks. None where a
-        call needs more (a dtype MPI takes as a carrier view, an average to divide) or the
-        dtype or op is not valid: the general path (the methods below) does those, and says
-        what is wrong. Arguments, checked by the caller: ``(x, recv)``, ``recv is x`` in
-        place; rooted calls ``(x, recv, root)``, ``recv`` or ``x`` None where the rank does
-        not use it; broadcast ``(x, root)``; sendrecv ``(x, dst, buf, src)``."""
-        make = _PREPARED.get(name)
-        if make is None:
+    def prepare(self, name: str, dtype: np.dtype, reduces: bool = False,
+                async_op: bool = False) -> Any:
+        """Collective ``name``'s prepared calls on arrays of ``dtype``, made once and kept by
+        the Communicator (:class:`PreparedCalls`): the typed mpi4py call with its datatype
+        (and op) bound, inside the watchdog's marks; blocking, or for ``async_op`` started
+        and returning a :class:`~cupycomm.work.HostWork`. For a reduction (``reduces``), a
+        dict op's string -> call. None (a reduction's op: None) where a call needs more (a
+        dtype MPI takes as a carrier view, an average to divide) or the dtype is not valid:
+        the general path (the methods below) does those, and says what is wrong. Arguments,
+        checked by the caller: ``(x, recv)``, ``recv is x`` in place; rooted calls ``(x,
+        recv, root)``, ``recv`` or ``x`` None where the rank does not use it; broadcast
+        ``(x, root)``; sendrecv ``(x, dst, buf, src)``."""
+        if name not in _SHAPES:
             return None
-        if op is None:
+        if not reduces:
             if dtype not in _MOVEMENTS or _MOVEMENTS[dtype] is not None:
                 return None
-            datatype, mpi_op = _BYTE, None
-        else:
-            datatype, mpi_op, avg, view = self.reductions.get(dtype, {}).get(op, _NO_SPEC)
-            if datatype is None or avg or view is not None:
-                return None
-        return make(self, name, datatype, mpi_op)
+            return _make(self, name, _BYTE, None, async_op)
+        # Every op's string (a ReduceOp member, a str, finds it as fast), None where it has
+        # no call, so that a lookup misses only on a value that is not an op.
+        calls: Dict[str, Optional[Callable]] = dict.fromkeys(op.value for op in ReduceOp)
+        for op, (datatype, mpi_op, avg, view) in self.reductions.get(dtype, {}).items():
+            if not avg and view is None:
+                calls[op.value] = _make(self, name, datatype, mpi_op, async_op)
+        return calls
 
     # -- collectives ------------------------------------------------------------------------------
     # The movement spec, and ``view`` in a reduction's spec, is None for the dtypes MPI takes
@@ -474,7 +480,10 @@ class MPIBackend:
         tracker = self._tracker
         tracker.busy = label     # waiting on calls that already counted in seq
         try:
-            MPI.Request.Waitall(requests)
+            if len(requests) == 1:   # an async_op call's: Wait costs less than Waitall
+                requests[0].Wait()
+            else:
+                MPI.Request.Waitall(requests)
         finally:
             tracker.busy = None
 
