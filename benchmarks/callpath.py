@@ -13,10 +13,13 @@ Sections:
 - watchdog (2+ ranks): ``comm.all_reduce`` of 1-16 MiB with the communicator watched by the
   watchdog thread and not watched, alternating, in one run (median of rounds);
 - device: the NCCL backend's own Python on the test suite's stand-in with every CUDA and NCCL
-  call replaced by a call that does nothing (``ZeroCost``); the few ns each such call still
+  call replaced by a call that does nothing (``ZeroCost``), on an array whose ``data`` and
+  ``device`` are read as CuPy's are (attributes; the stand-in's properties make a new object
+  on each read, about 1 µs that the raw call does not pay); the few ns each no-op call still
   costs is measured (one no-op call, timed the same way) and subtracted, once per call counted
   on each side, so that the row is cupycomm's Python alone. The CUDA calls besides NCCL that
-  one synchronous collective makes are counted too.
+  one synchronous collective makes are counted too (CuPy's ``with Device`` is two: it reads
+  the device on entry and always sets it back on exit).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import argparse
 import os
 import sys
 import timeit
+from types import SimpleNamespace
 from typing import Callable, Dict, List
 
 import numpy as np
@@ -150,12 +154,12 @@ class ZeroCost:
             record = staticmethod(cuda("cudaEventRecord"))
             done = True
 
-        class Device:
+        class Device:   # CuPy's: __enter__ reads the device, __exit__ always sets it back
             def __enter__(self):
                 cuda("cudaGetDevice")()
 
             def __exit__(self, *exc):
-                pass
+                cuda("cudaSetDevice")()
 
         class Nccl:
             allReduce = bcast = reduce = allGather = reduceScatter = send = recv = \
@@ -176,11 +180,19 @@ class ZeroCost:
 
 def device_section(number: int, rounds: int) -> None:
     import nccl_standin
+
+    class Array(nccl_standin.ndarray):
+        """The stand-in's array with CuPy's cost of ``data`` and ``device``: attributes read
+        (C attributes in CuPy), not the objects the stand-in's properties make on each read."""
+        data = device = None
+
     comm = cupycomm.init(MPI.COMM_SELF, device_module=nccl_standin)
     backend = comm.init_device()
     zero = ZeroCost()
     zero.install(backend)
-    x = nccl_standin.zeros(2, np.float32)
+    x = nccl_standin.zeros(2, np.float32).view(Array)
+    x.data = SimpleNamespace(ptr=x.__array_interface__["data"][0])
+    x.device = SimpleNamespace(id=0)
     ptr = x.data.ptr
     nccl, stream, noop = zero.nccl, zero.stream, zero.nccl.allReduce
     zero.counting = True
