@@ -171,7 +171,7 @@ class ZeroCost:
 
     def install(self, backend) -> None:
         backend._stream = self.stream
-        backend._ready = backend._finished = backend._captured_finished = self.event
+        backend._ready = backend._finished = self.event
         backend._device = self.device
         backend._current_stream = self.current
         backend._new_event = self.new_event
