@@ -18,7 +18,8 @@ Sections:
   on each read, about 1 µs that the raw call does not pay); the few ns each no-op call still
   costs is measured (one no-op call, timed the same way) and subtracted, once per call counted
   on each side, so that the row is cupycomm's Python alone. The CUDA calls besides NCCL that
-  one synchronous collective makes are counted too (CuPy's ``with Device`` is two: it reads
+  one synchronous collective makes are counted too, on the null stream and on a stream of the
+  caller's own (CuPy's ``with Device`` is two: it reads
   the device on entry and always sets it back on exit).
 """
 from __future__ import annotations
@@ -154,12 +155,14 @@ class ZeroCost:
             record = staticmethod(cuda("cudaEventRecord"))
             done = True
 
+        get_device, set_device = cuda("cudaGetDevice"), cuda("cudaSetDevice")
+
         class Device:   # CuPy's: __enter__ reads the device, __exit__ always sets it back
             def __enter__(self):
-                cuda("cudaGetDevice")()
+                get_device()
 
             def __exit__(self, *exc):
-                cuda("cudaSetDevice")()
+                set_device()
 
         class Nccl:
             allReduce = bcast = reduce = allGather = reduceScatter = send = recv = \
@@ -199,6 +202,11 @@ def device_section(number: int, rounds: int) -> None:
     comm.all_reduce(x)
     cuda_calls = list(zero.counted)
     zero.counted.clear()
+    zero.stream.ptr = 0x1000   # a stream of the caller's own: it may be capturing
+    comm.all_reduce(x)
+    own_stream_calls = list(zero.counted)
+    zero.counted.clear()
+    zero.stream.ptr = 0
     comm.all_reduce(x, async_op=True).wait()
     async_calls = list(zero.counted)
     zero.counting = False
@@ -214,6 +222,8 @@ def device_section(number: int, rounds: int) -> None:
           f"| comm.all_reduce: cupycomm's own Python | {own:+.3f} |\n"
           f"| comm.all_reduce(async_op=True).wait(): cupycomm's own Python | {own_async:+.3f} |\n"
           f"| CUDA calls besides NCCL, synchronous | {len(cuda_calls)}: {', '.join(cuda_calls)} |\n"
+          f"| the same on a stream of the caller's own | {len(own_stream_calls)}: "
+          f"{', '.join(own_stream_calls)} |\n"
           f"| CUDA calls besides NCCL, async + wait | {len(async_calls)}: "
           f"{', '.join(async_calls)} |\n", flush=True)
     comm._nccl = None   # its CUDA objects are no-ops now: nothing to free
