@@ -137,7 +137,14 @@ def _reduction_table() -> dict:
 
 
 _REDUCTIONS = _reduction_table()
-_LEGACY_STREAMS = (0, 1)   # the legacy null stream's handles: it cannot capture
+_LEGACY_STREAMS = (0, 1)   # the legacy null stream's handles
+
+
+def _capturing(stream: Any) -> bool:
+    """Whether ``stream`` is capturing. The legacy null stream cannot (CuPy's begin_capture
+    refuses it), and cudaStreamIsCapturing of it fails while another stream of its device
+    captures: it is not asked."""
+    return stream.ptr not in _LEGACY_STREAMS and stream.is_capturing()
 _MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype as it is
 
 
@@ -226,12 +233,10 @@ class NcclBackend:
     def _launch_here(self, call, args: tuple, result, label: str, here: Any, unpack) -> Any:
         """A synchronous call: NCCL on ``here`` itself, in the caller's stream order, then
         ``_finished`` recorded after it for the watchdog; none in a capture (the watchdog
-        must never query an event recorded there). The legacy null stream cannot capture
-        (and cudaStreamIsCapturing of it fails while another stream captures): not asked."""
-        ptr = here.ptr
-        captured = ptr not in _LEGACY_STREAMS and here.is_capturing()
+        must never query an event recorded there)."""
+        captured = _capturing(here)
         try:
-            call(*args, ptr)
+            call(*args, here.ptr)
         except self._raw_error as error:
             raise self._failed(label, error) from error
         self._unpack(here, unpack)
@@ -245,12 +250,12 @@ class NcclBackend:
         (so kernels that wrote the input first are seen), or on ``stream`` itself."""
         if stream is None:
             caller = self._current_stream(self.device_id)
-            captured = caller.is_capturing()
+            captured = _capturing(caller)
             self._ready.record(caller)
             stream = self._stream
             stream.wait_event(self._ready)
         else:
-            captured = stream.is_capturing()
+            captured = _capturing(stream)
         try:
             call(*args, stream.ptr)
         except self._raw_error as error:
@@ -296,7 +301,7 @@ class NcclBackend:
 
     def _launch_group(self, group: Any) -> None:
         stream = self._stream
-        captured = group.caller.is_capturing()
+        captured = _capturing(group.caller)
         self._ready.record(group.caller)
         stream.wait_event(self._ready)
         nccl = self._nccl_module
@@ -459,17 +464,18 @@ class NcclBackend:
         both others: an event of an ended capture cannot be used, and a capture cannot wait
         on outside work)."""
         caller = self._current_stream(self.device_id)
-        if caller.is_capturing() != captured:
-            raise RuntimeError(
-                f"{label}: wait() of a collective launched in a CUDA graph capture must be "
-                f"called in that capture, and wait() of one launched outside must not be "
-                f"called inside a capture (wait for it before begin_capture), on rank "
-                f"{self._rank}" if captured else
-                f"{label}: wait() inside a CUDA graph capture of a collective launched before "
-                f"it began: the capture cannot wait on outside work; call wait() before "
-                f"begin_capture(), on rank {self._rank}")
-        with self._device:
-            caller.wait_event(event)
+        with self._device:   # (handle 2, the per-thread stream, is the current device's)
+            if _capturing(caller) == captured:
+                caller.wait_event(event)
+                return
+        raise RuntimeError(
+            f"{label}: wait() of a collective launched in a CUDA graph capture must be "
+            f"called in that capture, and wait() of one launched outside must not be "
+            f"called inside a capture (wait for it before begin_capture), on rank "
+            f"{self._rank}" if captured else
+            f"{label}: wait() inside a CUDA graph capture of a collective launched before "
+            f"it began: the capture cannot wait on outside work; call wait() before "
+            f"begin_capture(), on rank {self._rank}")
 
     def check_errors(self) -> None:
         """Raise :class:`NcclError` if NCCL reported an asynchronous error or the communicator
