@@ -213,8 +213,10 @@ class NcclBackend:
 
     def _launch(self, call, args: tuple, result, keep: tuple, label: str, async_op: bool,
                 stream: Any, unpack=()) -> Any:
-        """Run ``call(*args, stream_ptr)``: synchronous on the caller's stream (or ``stream``),
-        asynchronous on the comm stream (or ``stream``)."""
+        """Run ``call(*args, stream_ptr)``. A synchronous call: on the caller's stream (or
+        ``stream``) itself, then ``_finished`` recorded after it for the watchdog; none in a
+        capture (the watchdog must never query an event recorded there). An ``async_op``
+        call: see :meth:`_launch_async`."""
         if self._aborted:
             raise self._was_aborted(label)
         tracker = self._tracker
@@ -228,21 +230,11 @@ class NcclBackend:
             if async_op:
                 return self._launch_async(call, args, result, keep, label, stream, unpack)
             here = self._current_stream(self.device_id) if stream is None else stream
-            return self._launch_here(call, args, result, label, here, unpack)
-
-    def _launch_here(self, call, args: tuple, result, label: str, here: Any, unpack) -> Any:
-        """A synchronous call: NCCL on ``here`` itself, in the caller's stream order, then
-        ``_finished`` recorded after it for the watchdog; none in a capture (the watchdog
-        must never query an event recorded there)."""
-        captured = _capturing(here)
-        try:
-            call(*args, here.ptr)
-        except self._raw_error as error:
-            raise self._failed(label, error) from error
-        self._unpack(here, unpack)
-        if not captured:
-            self._finished.record(here)
-        return result
+            captured = _capturing(here)
+            self._run(call, args, here, label, unpack)
+            if not captured:
+                self._finished.record(here)
+            return result
 
     def _launch_async(self, call, args: tuple, result, keep: tuple, label: str, stream: Any,
                       unpack) -> DeviceWork:
@@ -256,16 +248,16 @@ class NcclBackend:
             stream.wait_event(self._ready)
         else:
             captured = _capturing(stream)
+        self._run(call, args, stream, label, unpack)
+        return self._work(stream, result, keep, label, captured)
+
+    def _run(self, call, args: tuple, stream: Any, label: str, unpack) -> None:
+        """``call(*args, stream_ptr)`` on ``stream``, then all_gather's list parts copied out
+        of the gathered array there."""
         try:
             call(*args, stream.ptr)
         except self._raw_error as error:
             raise self._failed(label, error) from error
-        self._unpack(stream, unpack)
-        return self._work(stream, result, keep, label, captured)
-
-    @staticmethod
-    def _unpack(stream: Any, unpack) -> None:
-        """all_gather's list form: copy the parts out of the gathered array on ``stream``."""
         if unpack:
             with stream:
                 for dst, src in unpack:
