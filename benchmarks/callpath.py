@@ -13,10 +13,14 @@ Sections:
 - watchdog (2+ ranks): ``comm.all_reduce`` of 1-16 MiB with the communicator watched by the
   watchdog thread and not watched, alternating, in one run (median of rounds);
 - device: the NCCL backend's own Python on the test suite's stand-in with every CUDA and NCCL
-  call replaced by a call that does nothing (``ZeroCost``); the few ns each such call still
+  call replaced by a call that does nothing (``ZeroCost``), on an array whose ``data`` and
+  ``device`` are read as CuPy's are (attributes; the stand-in's properties make a new object
+  on each read, about 1 µs that the raw call does not pay); the few ns each no-op call still
   costs is measured (one no-op call, timed the same way) and subtracted, once per call counted
   on each side, so that the row is cupycomm's Python alone. The CUDA calls besides NCCL that
-  one synchronous collective makes are counted too.
+  one synchronous collective makes are counted too, on the null stream and on a stream of the
+  caller's own (CuPy's ``with Device`` is two: it reads
+  the device on entry and always sets it back on exit).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import argparse
 import os
 import sys
 import timeit
+from types import SimpleNamespace
 from typing import Callable, Dict, List
 
 import numpy as np
@@ -150,12 +155,14 @@ class ZeroCost:
             record = staticmethod(cuda("cudaEventRecord"))
             done = True
 
-        class Device:
+        get_device, set_device = cuda("cudaGetDevice"), cuda("cudaSetDevice")
+
+        class Device:   # CuPy's: __enter__ reads the device, __exit__ always sets it back
             def __enter__(self):
-                cuda("cudaGetDevice")()
+                get_device()
 
             def __exit__(self, *exc):
-                pass
+                set_device()
 
         class Nccl:
             allReduce = bcast = reduce = allGather = reduceScatter = send = recv = \
@@ -167,7 +174,7 @@ class ZeroCost:
 
     def install(self, backend) -> None:
         backend._stream = self.stream
-        backend._ready = backend._finished = backend._captured_finished = self.event
+        backend._ready = backend._finished = self.event
         backend._device = self.device
         backend._current_stream = self.current
         backend._new_event = self.new_event
@@ -176,17 +183,30 @@ class ZeroCost:
 
 def device_section(number: int, rounds: int) -> None:
     import nccl_standin
+
+    class Array(nccl_standin.ndarray):
+        """The stand-in's array with CuPy's cost of ``data`` and ``device``: attributes read
+        (C attributes in CuPy), not the objects the stand-in's properties make on each read."""
+        data = device = None
+
     comm = cupycomm.init(MPI.COMM_SELF, device_module=nccl_standin)
     backend = comm.init_device()
     zero = ZeroCost()
     zero.install(backend)
-    x = nccl_standin.zeros(2, np.float32)
+    x = nccl_standin.zeros(2, np.float32).view(Array)
+    x.data = SimpleNamespace(ptr=x.__array_interface__["data"][0])
+    x.device = SimpleNamespace(id=0)
     ptr = x.data.ptr
     nccl, stream, noop = zero.nccl, zero.stream, zero.nccl.allReduce
     zero.counting = True
     comm.all_reduce(x)
     cuda_calls = list(zero.counted)
     zero.counted.clear()
+    zero.stream.ptr = 0x1000   # a stream of the caller's own: it may be capturing
+    comm.all_reduce(x)
+    own_stream_calls = list(zero.counted)
+    zero.counted.clear()
+    zero.stream.ptr = 0
     comm.all_reduce(x, async_op=True).wait()
     async_calls = list(zero.counted)
     zero.counting = False
@@ -202,6 +222,8 @@ def device_section(number: int, rounds: int) -> None:
           f"| comm.all_reduce: cupycomm's own Python | {own:+.3f} |\n"
           f"| comm.all_reduce(async_op=True).wait(): cupycomm's own Python | {own_async:+.3f} |\n"
           f"| CUDA calls besides NCCL, synchronous | {len(cuda_calls)}: {', '.join(cuda_calls)} |\n"
+          f"| the same on a stream of the caller's own | {len(own_stream_calls)}: "
+          f"{', '.join(own_stream_calls)} |\n"
           f"| CUDA calls besides NCCL, async + wait | {len(async_calls)}: "
           f"{', '.join(async_calls)} |\n", flush=True)
     comm._nccl = None   # its CUDA objects are no-ops now: nothing to free

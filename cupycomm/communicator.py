@@ -11,8 +11,9 @@ Semantics shared by every method (documented here once):
   shape allocate their result when ``out`` is None. ``reduce`` and ``gather`` return None
   off the root.
 - **async_op=True** returns a :class:`~cupycomm.work.Work`; ``work.wait()`` gives the result.
-- **Streams (device).** Ordered with the caller's current stream by events, never blocking
-  the host; ``stream=`` launches on that stream instead (the code: ``backends/nccl.py``).
+- **Streams (device).** A synchronous call runs on the caller's current stream, an
+  ``async_op`` one on the comm stream after an event of the caller's; the host never blocks;
+  ``stream=`` launches on that stream instead (the code: ``backends/nccl.py``).
 - **Validation.** Every argument is checked before any communication: array kind, dtype,
   contiguity, device, ``out`` shape and dtype, root and peer ranks, op for the dtype. A bad
   argument raises TypeError or ValueError naming the collective, the argument, the value and

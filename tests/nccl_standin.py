@@ -62,6 +62,10 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     ``__index__``, OverflowError outside the C type, ``bytes`` unique ids [CuPy's
     ``cupy_backends/cuda/libs/nccl.pyx`` and ``cupy_backends/cuda/api/runtime.pyx``;
     :data:`SIGNATURES`].
+13. One communicator's kernels run in the order they were issued, whatever their streams (not
+    in captures): a call on one stream first lets the stream of the communicator's previous
+    call get past it [NCCL ``enqueue.cc``: ncclLaunchPrepare makes the launch stream wait on
+    the communicator's device stream, ncclLaunchFinish makes that wait on the kernel].
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -800,17 +804,20 @@ def groupEnd() -> None:
     _end_local_group()
     if not calls:
         return
-    streams = {stream_ptr for stream_ptr, _ in calls}
+    streams = {stream_ptr for stream_ptr, _, _ in calls}
     if len(streams) > 1:
         raise NcclError("stand-in: one group on several streams is not modelled")
 
     def run():
         requests: list = []
-        for _, issue in calls:
+        for _, issue, _ in calls:
             requests.extend(issue())
         return requests
-    Stream.from_ptr(streams.pop()).enqueue(lambda: None if NO_WORK else run(),
-                                           f"nccl group of {len(calls)}")
+    stream = Stream.from_ptr(streams.pop())
+    op = lambda: None if NO_WORK else run()
+    for comm in {id(comm): comm for _, _, comm in calls}.values():
+        op = comm._in_order(stream, op)
+    stream.enqueue(op, f"nccl group of {len(calls)}")
 
 
 SHARED_GPUS = False   # True: the ranks of one host see the same GPUs (a real node)
@@ -853,6 +860,7 @@ class NcclCommunicator:
         self._comm = self._meet(ndev, int(raw[1]), int(raw[2]), rank, _gpu(self._device))
         self._rank, self._size = rank, ndev
         self._alive = True
+        self._last: Optional[tuple] = None   # (stream, position) of the last call not captured
         self._readers = 0   # threads inside check_async_error now
         self._readers_lock = threading.Lock()
         self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
@@ -938,6 +946,7 @@ class NcclCommunicator:
         split = object.__new__(NcclCommunicator)
         split._comm, split._rank, split._size = sub, sub.Get_rank(), sub.Get_size()
         split._device, split._alive, split.async_error = self._device, True, None
+        split._last = None
         split._readers, split._readers_lock = 0, threading.Lock()
         return split
 
@@ -948,11 +957,28 @@ class NcclCommunicator:
         if _group is not None:
             # In a group, sends and receives start as MPI requests and collectives run in
             # the order they were issued (NCCL requires every rank to issue them alike).
-            _group.append((stream_ptr, nonblocking or (lambda: run() or [])))
+            _group.append((stream_ptr, nonblocking or (lambda: run() or []), self))
             return
         # An aborted communicator's kernels end without doing their work.
-        Stream.from_ptr(stream_ptr).enqueue(
-            lambda: None if NO_WORK or not self._alive else run(), f"nccl {name}")
+        stream = Stream.from_ptr(stream_ptr)
+        stream.enqueue(self._in_order(stream, lambda: None if NO_WORK or not self._alive
+                                      else run()), f"nccl {name}")
+
+    def _in_order(self, stream: Stream, op: Callable[[], Optional[list]]) -> Callable:
+        """``op``, about to be enqueued on ``stream``, after this communicator's previous call
+        (rule 13): it first runs that call's stream up to it."""
+        last = self._last
+        if stream.capture is not None:   # a graph node: NCCL orders graph launches its own way
+            return op
+        self._last = (stream, stream.enqueued + 1)
+        if last is None or last[0] is stream:
+            return op
+        before, position = last
+
+        def ordered() -> Optional[list]:
+            before.run_until(position)
+            return op()
+        return ordered
 
     def _reduced(self, send: np.ndarray, op: int) -> np.ndarray:
         """Every rank's ``send`` reduced elementwise with NCCL op ``op``: gathered as bytes and

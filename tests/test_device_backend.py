@@ -16,15 +16,34 @@ from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal
 
 
 
-def test_sync_collective_orders_comm_stream_between_caller_events(dcomm):
+def test_sync_collective_runs_on_the_caller_stream_then_records_the_watchdogs_event(dcomm):
+    """As torch's ProcessGroupNCCL for async_op=False (pytorch#150398): no comm stream, no
+    event fork and join; only the event the watchdog queries."""
     caller = sd.Stream(non_blocking=True)
     x = sd.asarray(np.ones(4))
+    before = len(dcomm.init_device().stream.log)
     with caller:
         dcomm.all_reduce(x)
-    comm_stream = dcomm._nccl.stream
-    ready, finished = dcomm._nccl._ready.name, dcomm._nccl._finished.name
-    assert caller.log == [f"record {ready}", f"wait {finished}"]
-    assert comm_stream.log[-3:] == [f"wait {ready}", "nccl allReduce", f"record {finished}"]
+    assert caller.log == ["nccl allReduce", f"record {dcomm._nccl._finished.name}"]
+    assert len(dcomm._nccl.stream.log) == before
+    assert_equal(STANDIN, x, np.full(4, float(dcomm.size)))
+
+
+def test_the_watchdogs_one_event_covers_earlier_calls_on_other_streams(dcomm):
+    """Every synchronous call records the same event on its own stream: the last one done
+    means all done, because NCCL runs one communicator's kernels in issue order (stand-in
+    rule 13)."""
+    backend = dcomm.init_device()
+    held, free = sd.Stream(non_blocking=True, deferred=True), sd.Stream(non_blocking=True)
+    x, y = sd.asarray(np.ones(2)), sd.asarray(np.ones(3))
+    with held:
+        dcomm.all_reduce(x)
+    assert backend.has_pending_work()
+    with free:
+        dcomm.all_reduce(y)
+    assert not backend.has_pending_work() and not held.pending
+    assert_equal(STANDIN, x, np.full(2, float(dcomm.size)))
+    assert_equal(STANDIN, y, np.full(3, float(dcomm.size)))
 
 
 def test_kernel_before_the_collective_on_the_caller_stream_is_seen(dcomm):
@@ -54,12 +73,12 @@ def test_async_collective_leaves_the_caller_stream_alone_until_wait(dcomm):
     assert_equal(STANDIN, x, np.full(3, float(dcomm.size)))
 
 
-def test_stream_argument_launches_there_without_events(dcomm):
+def test_stream_argument_launches_there_without_events_from_other_streams(dcomm):
     mine = sd.Stream(non_blocking=True)
     x = sd.asarray(np.ones(2))
     before = len(dcomm._nccl.stream.log)
     assert dcomm.all_reduce(x, stream=mine) is x
-    assert mine.log == ["nccl allReduce"]
+    assert mine.log == ["nccl allReduce", f"record {dcomm._nccl._finished.name}"]
     assert len(dcomm._nccl.stream.log) == before
     work = dcomm.broadcast(x, 0, stream=mine, async_op=True)
     assert mine.log[-2:] == ["nccl bcast", mine.log[-1]] and mine.log[-1].startswith("record")

@@ -1,6 +1,7 @@
 """CUDA graph capture: a collective issued while the current stream is capturing is captured
-(the comm stream forks from and joins back into the capture by events, with no host
-synchronisation and no allocation), so replaying the graph replays the collective."""
+(a synchronous one in the capturing stream itself; an async one on the comm stream, which
+forks from and joins back into the capture by events), with no host synchronisation and no
+allocation, so replaying the graph replays the collective."""
 import threading
 
 import numpy as np

@@ -227,6 +227,28 @@ def test_arguments_are_converted_as_cupys_compiled_signatures_do(bad, error):
     comm.destroy()
 
 
+# -- NCCL's order ---------------------------------------------------------------------------------------
+def test_one_communicators_calls_run_in_issue_order_whatever_their_streams():
+    comm, other = (sd.NcclCommunicator(1, sd.get_unique_id(), 0) for _ in range(2))
+    held, free = sd.Stream(non_blocking=True, deferred=True), sd.Stream(non_blocking=True)
+    x = sd.asarray(np.ones(2))
+    comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+    other.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, free.ptr)   # another communicator's
+    assert held.pending, "a call of another communicator waited for it"
+    comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, free.ptr)
+    assert not held.pending, "a later call of its communicator ran before it"
+    y = sd.empty(2)
+    sd.groupStart()
+    other.send(x.data.ptr, 2, 8, 0, held.ptr)
+    other.recv(y.data.ptr, 2, 8, 0, held.ptr)
+    sd.groupEnd()
+    assert held.pending
+    other.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, free.ptr)    # groups are ordered too
+    assert not held.pending
+    comm.destroy()
+    other.destroy()
+
+
 # -- memory ----------------------------------------------------------------------------------------------
 def raw_view(address, count):
     """The float64 values at ``address``, whoever owns that memory now."""

@@ -91,6 +91,6 @@ class HostBackend(Collectives, HostCompletion, Protocol):
 
 
 class DeviceBackend(Collectives, DeviceCompletion, Health, Protocol):
-    stream: Any   # the comm stream
+    stream: Any   # the comm stream (async calls, batch() blocks)
 
     def split(self, color: Optional[int], key: int) -> Any: ...

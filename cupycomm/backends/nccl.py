@@ -1,25 +1,39 @@
 """Device backend: CuPy arrays through ``cupy.cuda.nccl.NcclCommunicator``.
 
-Stream semantics (as in torch.distributed): every collective runs on this backend's own comm
-stream. The comm stream first waits on an event recorded on the caller's current stream (so
-kernels that wrote the input before the call are seen), NCCL is launched there, then the
-caller's stream waits on an event recorded after it (so kernels after the call see the
-result). The host never blocks. With ``async_op=True`` the caller's stream does not wait;
-the returned :class:`~cupycomm.work.DeviceWork` holds the completion event instead. With
-``stream=s`` the collective is launched on ``s`` itself, without events.
+Stream semantics (as torch.distributed's since pytorch#150398): a synchronous collective runs
+on the caller's current stream itself (or on ``stream=``), in that stream's order: kernels
+that wrote the input before the call are seen, kernels after it see the result, and the host
+never blocks. No comm stream and no event fork or join: one event, ``_finished``, is recorded
+after it for the watchdog. With ``async_op=True`` the collective runs on this backend's own comm
+stream, which first waits on an event recorded on the caller's stream; the returned
+:class:`~cupycomm.work.DeviceWork` holds its completion event (taken from a pool of the events
+of completed Works), and ``wait()`` makes the then-current stream wait on it. With
+``stream=s`` and ``async_op=True`` the collective runs on ``s`` itself, without the first event.
+A ``batch()`` block's calls form one NCCL group on the comm stream, between an event of the
+caller's stream and one the caller's stream then waits on.
 
-Both events of the synchronous form are reused on every call: a CUDA stream wait captures
-the event's state when it is issued, so re-recording the event later cannot disturb it. The
-same choreography is what CUDA graph capture needs to fork and join the comm stream.
+One ``_finished`` event, re-recorded by every synchronous call on whichever stream it ran,
+tells the watchdog whether all of them have completed: NCCL runs the kernels of one
+communicator in the order they were issued, whatever their streams (its launch stream waits
+on the communicator's internal device stream, which then waits on the kernel: NCCL's
+``enqueue.cc``, ncclLaunchPrepare and ncclLaunchFinish), so the last one done means all done.
+The stand-in models that order.
 
 The caller's stream is the current stream *of the communicator's device*, whatever device is
-current (an event can only be recorded on a stream of its own device).
+current, and every launch makes that device current: the stream handles 0 (the legacy null
+stream) and 2 (the per-thread default stream) mean the current device's, and a CUDA runtime
+call makes a context on the current device. (NCCL sets its communicator's device itself.)
 
 CUDA graph capture: a collective issued while the caller's stream (or ``stream=``) is capturing
-is captured. Its events are then graph nodes, which CUDA forbids querying or synchronizing
-(``cudaErrorCapturedEvent``; querying one during the capture invalidates it): a captured
-collective records ``_captured_finished``, never ``_finished`` (which the watchdog queries),
-and its Work is not watched; it completes when ``wait()`` joins it back into the capture.
+is captured. Events recorded in a capture are graph nodes, which CUDA forbids querying or
+synchronizing (``cudaErrorCapturedEvent``; querying one during the capture invalidates it): a
+captured synchronous collective records no event (it is in the caller's stream, nothing to
+join), and a captured async one records its Work's event in the capture, forking the comm
+stream from it; that Work is not watched and completes when ``wait()`` joins it back into the
+capture. The legacy null stream cannot capture, so its capture state is not asked (CuPy's
+``begin_capture`` refuses it; cudaStreamIsCapturing of it fails while another stream of the
+device captures).
+
 The watchdog thread queries in relaxed capture mode (so that a capture in global mode, torch's
 default, in another thread is not invalidated by it: pytorch#104555) and with the
 communicator's device current (a new thread's current device is 0, where a query would
@@ -123,6 +137,14 @@ def _reduction_table() -> dict:
 
 
 _REDUCTIONS = _reduction_table()
+_LEGACY_STREAMS = (0, 1)   # the legacy null stream's handles
+
+
+def _capturing(stream: Any) -> bool:
+    """Whether ``stream`` is capturing. The legacy null stream cannot (CuPy's begin_capture
+    refuses it), and cudaStreamIsCapturing of it fails while another stream of its device
+    captures: it is not asked."""
+    return stream.ptr not in _LEGACY_STREAMS and stream.is_capturing()
 _MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype as it is
 
 
@@ -171,9 +193,8 @@ class NcclBackend:
                     self._size, unique_id, self._rank), "init")
             self._comm = nccl_comm
             self._stream = cuda.Stream(non_blocking=True)
-            self._ready = cuda.Event(disable_timing=True)      # recorded on the caller's stream
-            self._finished = cuda.Event(disable_timing=True)   # on the comm stream, not captured
-            self._captured_finished = cuda.Event(disable_timing=True)   # the same, in captures
+            self._ready = cuda.Event(disable_timing=True)      # caller's stream, async calls
+            self._finished = cuda.Event(disable_timing=True)   # after synchronous calls
 
     @property
     def stream(self) -> Any:
@@ -192,7 +213,10 @@ class NcclBackend:
 
     def _launch(self, call, args: tuple, result, keep: tuple, label: str, async_op: bool,
                 stream: Any, unpack=()) -> Any:
-        """Run ``call(*args, stream_ptr)`` on the comm stream (or ``stream``), ordered by events."""
+        """Run ``call(*args, stream_ptr)``. A synchronous call: on the caller's stream (or
+        ``stream``) itself, then ``_finished`` recorded after it for the watchdog; none in a
+        capture (the watchdog must never query an event recorded there). An ``async_op``
+        call: see :meth:`_launch_async`."""
         if self._aborted:
             raise self._was_aborted(label)
         tracker = self._tracker
@@ -200,21 +224,36 @@ class NcclBackend:
         self._flight[seq % self._slots] = (label, "nccl")
         if self._group is not None:
             return self._launch_grouped(call, args, result, keep, label, stream, unpack)
-        with self._device:   # handle 0 (the null stream) means the current device's
-            return self._launch_ordered(call, args, result, keep, label, async_op, stream,
-                                        unpack)
+        # Handles 0 and 2 mean the current device's default streams, and a CUDA runtime call
+        # makes a context on the current device: the communicator's device is made current.
+        with self._device:
+            if async_op:
+                return self._launch_async(call, args, result, keep, label, stream, unpack)
+            here = self._current_stream(self.device_id) if stream is None else stream
+            captured = _capturing(here)
+            self._run(call, args, here, label, unpack)
+            if not captured:
+                self._finished.record(here)
+            return result
 
-    def _launch_ordered(self, call, args: tuple, result, keep: tuple, label: str,
-                        async_op: bool, stream: Any, unpack) -> Any:
+    def _launch_async(self, call, args: tuple, result, keep: tuple, label: str, stream: Any,
+                      unpack) -> DeviceWork:
+        """An ``async_op`` call: on the comm stream after an event of the caller's stream
+        (so kernels that wrote the input first are seen), or on ``stream`` itself."""
         if stream is None:
             caller = self._current_stream(self.device_id)
-            captured = caller.is_capturing()
+            captured = _capturing(caller)
             self._ready.record(caller)
             stream = self._stream
             stream.wait_event(self._ready)
         else:
-            caller = None
-            captured = stream.is_capturing()
+            captured = _capturing(stream)
+        self._run(call, args, stream, label, unpack)
+        return self._work(stream, result, keep, label, captured)
+
+    def _run(self, call, args: tuple, stream: Any, label: str, unpack) -> None:
+        """``call(*args, stream_ptr)`` on ``stream``, then all_gather's list parts copied out
+        of the gathered array there."""
         try:
             call(*args, stream.ptr)
         except self._raw_error as error:
@@ -223,13 +262,6 @@ class NcclBackend:
             with stream:
                 for dst, src in unpack:
                     dst[...] = src
-        if async_op:
-            return self._work(stream, result, keep, label, captured)
-        if caller is not None:
-            finished = self._captured_finished if captured else self._finished
-            finished.record(stream)
-            caller.wait_event(finished)
-        return result
 
     def _launch_grouped(self, call, args: tuple, result, keep: tuple, label: str,
                         stream: Any, unpack) -> DeviceWork:
@@ -261,7 +293,7 @@ class NcclBackend:
 
     def _launch_group(self, group: Any) -> None:
         stream = self._stream
-        captured = group.caller.is_capturing()
+        captured = _capturing(group.caller)
         self._ready.record(group.caller)
         stream.wait_event(self._ready)
         nccl = self._nccl_module
@@ -424,17 +456,18 @@ class NcclBackend:
         both others: an event of an ended capture cannot be used, and a capture cannot wait
         on outside work)."""
         caller = self._current_stream(self.device_id)
-        if caller.is_capturing() != captured:
-            raise RuntimeError(
-                f"{label}: wait() of a collective launched in a CUDA graph capture must be "
-                f"called in that capture, and wait() of one launched outside must not be "
-                f"called inside a capture (wait for it before begin_capture), on rank "
-                f"{self._rank}" if captured else
-                f"{label}: wait() inside a CUDA graph capture of a collective launched before "
-                f"it began: the capture cannot wait on outside work; call wait() before "
-                f"begin_capture(), on rank {self._rank}")
-        with self._device:
-            caller.wait_event(event)
+        with self._device:   # (handle 2, the per-thread stream, is the current device's)
+            if _capturing(caller) == captured:
+                caller.wait_event(event)
+                return
+        raise RuntimeError(
+            f"{label}: wait() of a collective launched in a CUDA graph capture must be "
+            f"called in that capture, and wait() of one launched outside must not be "
+            f"called inside a capture (wait for it before begin_capture), on rank "
+            f"{self._rank}" if captured else
+            f"{label}: wait() inside a CUDA graph capture of a collective launched before "
+            f"it began: the capture cannot wait on outside work; call wait() before "
+            f"begin_capture(), on rank {self._rank}")
 
     def check_errors(self) -> None:
         """Raise :class:`NcclError` if NCCL reported an asynchronous error or the communicator
