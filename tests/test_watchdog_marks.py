@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from cupycomm.faults.board import CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
+from cupycomm.faults.board import CLOSED, FIELDS, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from cupycomm._collectives import BY_NAME
 from cupycomm.faults import abort
 from cupycomm.faults.abort import abort_job
@@ -93,19 +93,21 @@ def _board(rows: np.ndarray, index: int) -> NodeBoard:
     """Row ``index`` of ``rows`` seen as its rank's NodeBoard (no shared memory, no MPI)."""
     board = NodeBoard.__new__(NodeBoard)
     board.rows, board.mine, board.index = rows, rows[index], index
+    board._file = tempfile.TemporaryFile()   # the lock of locked(), a file of its own
     return board
 
 
 @pytest.fixture
 def node(monkeypatch):
     """This rank (0, waiting) and a peer (1, a live process) on a board; the aborts made."""
-    rows = np.zeros((2, 8), np.int64)
+    rows = np.zeros((2, FIELDS), np.int64)
     rows[0, [RANK, PID]] = 0, os.getpid()
     rows[1, [RANK, PID]] = 1, os.getppid()
     aborted = []
     monkeypatch.setattr("cupycomm.faults.watchdog.abort_job", aborted.append)
     tracker = Tracker("test", 0, 2, timeout=1000.0, board=_board(rows, 0))
-    return tracker, _board(rows, 1), aborted
+    yield tracker, _board(rows, 1), aborted
+    tracker.flight.close()   # a later abort reports every live recorder: not this one
 
 
 def _leave(peer: NodeBoard, seq: int, at: float, monkeypatch, exiting: bool = True) -> None:
@@ -193,11 +195,12 @@ def test_a_works_wait_is_named_by_its_own_number(node):
 def test_leaving_publishes_the_final_count_and_the_reason(monkeypatch):
     """leave() (called by close() after unwatch()) writes the last count, which the
     watchdog thread may not have published yet."""
-    rows = np.zeros((1, 8), np.int64)
+    rows = np.zeros((1, FIELDS), np.int64)
     tracker = Tracker("test", 0, 2, timeout=1.0, board=_board(rows, 0))
     tracker.seq = 9
     unwatch(tracker)
     tracker.leave()
+    tracker.flight.close()
     assert rows[0, SEQ] == 9 and rows[0, LEFT] == CLOSED and rows[0, LEFT_AT] > 0
 
 
@@ -252,7 +255,7 @@ def test_stack_files_of_processes_that_are_gone_are_removed(tmp_path, monkeypatc
         for pid in (gone.pid, live.pid):
             (tmp_path / f"cupycomm-stack-{pid}.txt").write_text("stacks")
         (tmp_path / "cupycomm-stack-notes.txt").write_text("not ours")
-        peers = PeerStacks(_board(np.zeros((1, 8), np.int64), 0), asked=6, written=7)
+        peers = PeerStacks(_board(np.zeros((1, FIELDS), np.int64), 0), asked=6, written=7)
         try:
             left = sorted(path.name for path in tmp_path.iterdir())
         finally:

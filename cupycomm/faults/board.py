@@ -91,6 +91,7 @@ class Board:
 # REPORTED_AT on the first row only (by any rank: the leader may be dead).
 (RANK, PID, LEFT, SEQ, BUSY, BUSY_SEQ, LEFT_AT, GONE, GONE_STATE, GONE_SEQ, GONE_AT,
  REPORTED_AT) = range(12)
+FIELDS = REPORTED_AT + 1
 CLOSED, EXITING = 1, 2   # LEFT: why the rank left (0: it has not)
 
 
@@ -104,7 +105,7 @@ class NodeBoard(Board):
     says which rank prints the node's flight-recorder block (:meth:`first_to_report`)."""
 
     def __init__(self, node: MPI.Comm, rank: int) -> None:
-        super().__init__(node, 12)
+        super().__init__(node, FIELDS)
         self.mine[RANK], self.mine[PID] = rank, os.getpid()
 
     def publish(self, seq: int, busy: int, busy_seq: int) -> None:
