@@ -123,6 +123,21 @@ def test_lazy_creation_and_close():
     again.close()
 
 
+def test_close_waits_for_synchronous_collectives_on_the_callers_streams():
+    """A synchronous collective is on the caller's stream, not the comm stream: close() must
+    still let it finish before the NCCL communicator is destroyed."""
+    comm = STANDIN.comm()
+    comm.init_device()
+    x = sd.asarray(np.ones(2))
+    caller = sd.Stream(non_blocking=True, deferred=True)
+    with caller:
+        comm.all_reduce(x)
+    assert caller.pending
+    comm.close()
+    assert not caller.pending
+    assert_equal(STANDIN, x, np.full(2, float(comm.size)))
+
+
 def test_device_choice_spreads_local_ranks_over_gpus(monkeypatch):
     monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
     with STANDIN.comm() as comm:
@@ -223,12 +238,15 @@ def test_split_waits_for_the_collectives_in_flight_first(dcomm):
     """CuPy's commSplit docstring: collectives still in flight may deadlock it."""
     backend = dcomm.init_device()
     x = sd.asarray(np.ones(2))
+    caller = sd.Stream(non_blocking=True, deferred=True)
     with sd.deferred(backend.stream):
         dcomm.all_reduce(x, async_op=True)
-        assert backend.stream.pending
+        with caller:
+            dcomm.all_reduce(x)                      # synchronous: on the caller's stream
+        assert backend.stream.pending and caller.pending
         backend.split(0, dcomm.rank).destroy()
-        assert not backend.stream.pending
-    assert_equal(STANDIN, x, np.full(2, float(dcomm.size)))
+        assert not backend.stream.pending and not caller.pending
+    assert_equal(STANDIN, x, np.full(2, float(dcomm.size) ** 2))
 
 
 def test_nccl_failure_is_a_named_error(dcomm, monkeypatch):

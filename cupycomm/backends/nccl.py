@@ -435,7 +435,7 @@ class NcclBackend:
         if self._aborted:
             raise self._was_aborted("split")
         # CuPy's docstring of commSplit: collectives still in flight may deadlock it.
-        self._stream.synchronize()
+        self._synchronize()
         with self._device:
             return self._nccl(lambda: self._comm.commSplit(-1 if color is None else color, key),
                               "split")
@@ -526,12 +526,19 @@ class NcclBackend:
                 return str(error)
         return ""
 
+    def _synchronize(self) -> None:
+        """Block until every collective launched outside captures has completed: those on the
+        comm stream, and the last synchronous one (which NCCL's order makes the last of
+        theirs)."""
+        self._stream.synchronize()
+        self._finished.synchronize()
+
     def close(self) -> None:
-        """Wait for the comm stream, then destroy the NCCL communicator (unless the watchdog
-        aborted it meanwhile)."""
+        """Wait for the collectives in flight, then destroy the NCCL communicator (unless the
+        watchdog aborted it meanwhile)."""
         if self._aborted:
             return
-        self._stream.synchronize()
+        self._synchronize()
         with self._lifetime:
             if self._aborted:
                 return
