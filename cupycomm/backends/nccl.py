@@ -137,14 +137,10 @@ def _reduction_table() -> dict:
 
 
 _REDUCTIONS = _reduction_table()
-_LEGACY_STREAMS = (0, 1)   # the legacy null stream's handles
-
-
-def _capturing(stream: Any) -> bool:
-    """Whether ``stream`` is capturing. The legacy null stream cannot (CuPy's begin_capture
-    refuses it), and cudaStreamIsCapturing of it fails while another stream of its device
-    captures: it is not asked."""
-    return stream.ptr not in _LEGACY_STREAMS and stream.is_capturing()
+# The legacy null stream's handles. It cannot capture (CuPy's begin_capture refuses it), and
+# cudaStreamIsCapturing of it fails while another stream of its device captures: whether a
+# stream captures is asked as ``stream.ptr not in _LEGACY and stream.is_capturing()``.
+_LEGACY = (0, 1)
 _MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype as it is
 
 
@@ -230,7 +226,7 @@ class NcclBackend:
             if async_op:
                 return self._launch_async(call, args, result, keep, label, stream, unpack)
             here = self._current_stream(self.device_id) if stream is None else stream
-            captured = _capturing(here)
+            captured = here.ptr not in _LEGACY and here.is_capturing()
             self._run(call, args, here, label, unpack)
             if not captured:
                 self._finished.record(here)
@@ -242,12 +238,12 @@ class NcclBackend:
         (so kernels that wrote the input first are seen), or on ``stream`` itself."""
         if stream is None:
             caller = self._current_stream(self.device_id)
-            captured = _capturing(caller)
+            captured = caller.ptr not in _LEGACY and caller.is_capturing()
             self._ready.record(caller)
             stream = self._stream
             stream.wait_event(self._ready)
         else:
-            captured = _capturing(stream)
+            captured = stream.ptr not in _LEGACY and stream.is_capturing()
         self._run(call, args, stream, label, unpack)
         return self._work(stream, result, keep, label, captured)
 
@@ -293,7 +289,7 @@ class NcclBackend:
 
     def _launch_group(self, group: Any) -> None:
         stream = self._stream
-        captured = _capturing(group.caller)
+        captured = group.caller.ptr not in _LEGACY and group.caller.is_capturing()
         self._ready.record(group.caller)
         stream.wait_event(self._ready)
         nccl = self._nccl_module
@@ -457,7 +453,7 @@ class NcclBackend:
         on outside work)."""
         caller = self._current_stream(self.device_id)
         with self._device:   # (handle 2, the per-thread stream, is the current device's)
-            if _capturing(caller) == captured:
+            if (caller.ptr not in _LEGACY and caller.is_capturing()) == captured:
                 caller.wait_event(event)
                 return
         raise RuntimeError(
