@@ -30,7 +30,7 @@ common-case test written at the top of each method (exact ``numpy.ndarray``, C-c
 writable (and aligned) where written, ``out`` of the same dtype and an accepted shape, an int
 root or peer in range) takes the backend's *prepared call* for its (collective, dtype, op),
 made once and kept (``cupycomm.backends.mpi.PreparedCalls``; looked up in ``_blocking``, or
-``_started`` for async_op, which returns a :class:`~cupycomm.work.HostWork`): the raw typed
+``_started`` for async_op, which returns a :class:`~cupycomm.work.Work`): the raw typed
 mpi4py call inside the watchdog's marks, two interpreter frames in all. Anything else (a
 failed test, a dtype or op with no prepared call, stream, a ``batch()`` block, a closed
 communicator, device and foreign arrays) takes the general path, which makes every check and
