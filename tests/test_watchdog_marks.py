@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import weakref
 
 import numpy as np
 import pytest
@@ -93,7 +94,9 @@ def _board(rows: np.ndarray, index: int) -> NodeBoard:
     """Row ``index`` of ``rows`` seen as its rank's NodeBoard (no shared memory, no MPI)."""
     board = NodeBoard.__new__(NodeBoard)
     board.rows, board.mine, board.index = rows, rows[index], index
-    board._file = tempfile.TemporaryFile()   # the lock of locked(), a file of its own
+    lock = tempfile.TemporaryFile()   # the lock of locked(), a file of its own
+    board._fd = lock.fileno()
+    weakref.finalize(board, lock.close)
     return board
 
 

@@ -16,6 +16,7 @@ import mmap
 import os
 import tempfile
 import time
+import weakref
 from typing import Iterator
 
 import numpy as np
@@ -58,8 +59,10 @@ class Board:
             with open(path, "wb") as f:
                 f.truncate(nbytes)
         path = node.bcast(path, root=0)
-        self._file = open(path, "r+b")   # kept open: its flock is the lock of locked()
-        self._map = mmap.mmap(self._file.fileno(), nbytes)
+        # The descriptor stays open (its flock is the lock of locked()) until the board goes.
+        self._fd = os.open(path, os.O_RDWR)
+        weakref.finalize(self, os.close, self._fd)
+        self._map = mmap.mmap(self._fd, nbytes)
         node.Barrier()   # everyone has mapped it: the name can go, the memory stays
         if self.index == 0:
             os.unlink(path)
@@ -74,7 +77,7 @@ class Board:
         deadline = time.monotonic() + wait
         while True:
             try:
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
@@ -84,7 +87,7 @@ class Board:
         try:
             yield True
         finally:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 
 # The fields of a NodeBoard row; the GONE_* fields are used on the leader's row only, and
