@@ -171,6 +171,7 @@ def test_a_dead_peer_ends_a_device_wait_with_peer_lost():
 NODE_BOUND = 15.0   # seconds within which a whole node's failure must end the job
 HEARTBEAT = 3.0     # CUPYCOMM_HEARTBEAT_TIMEOUT here (5 s by default: time_to_exit.py)
 COLLECTIVE = "waits in all_reduce #"
+HYDRA_OWN_FAILURE = "unable to send SIGUSR1 downstream"
 NODE1_SILENT = "node node1 (ranks [1, 2]) of communicator world has sent no heartbeat"
 CUPYCOMM_NAMES = {   # scenario: (ranks per node, what cupycomm's message says of the culprit)
     "os-exit-0": ((2, 1), ["node node1 (ranks [2]) of communicator world has sent no "
@@ -225,5 +226,8 @@ def test_a_rank_slower_than_the_heartbeat_bound_is_not_taken_for_dead(name):
     heartbeat bound while the others wait: its watchdog thread beats all along."""
     job = run_on_nodes(name, (2, 1), no_auto_cleanup())
     ended_quickly(job)
-    assert job.returncode == 0, job.output
     assert job.output.count("finished with") == 3, job.output
+    # 0, or hydra's own failure after every rank finished (1 run in 6 on simulated nodes:
+    # docs/guide/faults-and-timeouts.md; cupycomm.run ends 0 then, tests/test_run.py)
+    assert job.returncode == 0 or (job.returncode == 255 and HYDRA_OWN_FAILURE in job.output), \
+        job.output
