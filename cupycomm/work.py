@@ -165,12 +165,30 @@ class DeviceWork(Work):
 
     __slots__ = ("_event", "_captured", "_own_event")
 
+    # Made and waited for once per async_op call: as HostWork's, these set and clear Work's
+    # fields themselves, and wait() is one frame and the backend's stream_wait.
     def __init__(self, event: Any, result: Any, keep: Sequence, owner: Any, label: str,
                  captured: bool = False, own_event: bool = False) -> None:
-        super().__init__(result, keep, owner, label)
+        self._result = result
+        self._keep = keep
+        self._done = False
+        self._owner = owner
+        self._label = label
         self._event = event
         self._captured = captured
         self._own_event = own_event
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        if not self._done:
+            event = self._event
+            if timeout is not None or event is None:
+                return super().wait(timeout)
+            captured = self._captured
+            self._owner.stream_wait(event, captured, self._label)
+            if captured or event.done:
+                self._done = True
+                self._keep = ()
+        return self._result
 
     def _test(self) -> bool:
         # No event yet: a call inside a batch() block that has not ended.

@@ -235,7 +235,11 @@ class NcclBackend:
     def _launch_async(self, call, args: tuple, result, keep: tuple, label: str, stream: Any,
                       unpack) -> DeviceWork:
         """An ``async_op`` call: on the comm stream after an event of the caller's stream
-        (so kernels that wrote the input first are seen), or on ``stream`` itself."""
+        (so kernels that wrote the input first are seen), or on ``stream`` itself. Its Work
+        stays in ``_inflight`` outside a capture (which keeps the arrays alive even if the
+        caller drops the Work) until it completes; a captured one is never queried, nor
+        watched. Its event comes from those of completed Works, and is only made new when
+        there is none. (One frame for launch and Work: this is the async call's hot path.)"""
         if stream is None:
             caller = self._current_stream(self.device_id)
             captured = caller.ptr not in _LEGACY and caller.is_capturing()
@@ -245,7 +249,19 @@ class NcclBackend:
         else:
             captured = stream.ptr not in _LEGACY and stream.is_capturing()
         self._run(call, args, stream, label, unpack)
-        return self._work(stream, result, keep, label, captured)
+        inflight, spare = self._inflight, self._spare_events
+        # (``_done`` first: a Work already waited for is not asked again, in a frame of its own)
+        while not captured and inflight and (inflight[0]._done or inflight[0].is_completed()):
+            done = inflight.popleft()
+            if done._own_event:   # (a batch() block's Works share theirs: not reused)
+                spare.append(done._event)   # a completed Work never reads it again
+                done._event = None
+        event = spare.pop() if spare else self._new_event(disable_timing=True)
+        event.record(stream)
+        work = DeviceWork(event, result, keep, self, label, captured, True)
+        if not captured:
+            inflight.append(work)
+        return work
 
     def _run(self, call, args: tuple, stream: Any, label: str, unpack) -> None:
         """``call(*args, stream_ptr)`` on ``stream``, then all_gather's list parts copied out
@@ -313,25 +329,6 @@ class NcclBackend:
             work._event, work._captured = event, captured
             if not captured:
                 self._inflight.append(work)
-
-    def _work(self, stream: Any, result: Any, keep: tuple, label: str,
-              captured: bool) -> DeviceWork:
-        """The Work of an ``async_op`` call just launched on ``stream``. Outside a capture it
-        stays in ``_inflight`` (which keeps the arrays alive even if the caller drops the
-        Work) until it completes; a captured one is never queried, nor watched. Its event
-        comes from those of completed Works, and is only made new when there is none."""
-        inflight, spare = self._inflight, self._spare_events
-        while not captured and inflight and inflight[0].is_completed():
-            done = inflight.popleft()
-            if done._own_event:   # (a batch() block's Works share theirs: not reused)
-                spare.append(done._event)   # a completed Work never reads it again
-                done._event = None
-        event = spare.pop() if spare else self._new_event(disable_timing=True)
-        event.record(stream)
-        work = DeviceWork(event, result, keep, self, label, captured, own_event=True)
-        if not captured:
-            inflight.append(work)
-        return work
 
     def _in_group(self, calls, stream_ptr: int) -> None:
         """Issue ``calls(stream_ptr)`` (several sends and receives) as one NCCL group."""
