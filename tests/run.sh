@@ -53,11 +53,12 @@ run() {
 read -r -d '' -a tests <<< "${TESTS:-tests}" || true   # words, across lines
 sizes=${RANKS:-1 2 3 4}
 unset RANKS TESTS   # ours, not the tests' (benchmarks/run_matrix reads a RANKS of its own)
-# A hard bound on each pass on top of the plugin's per-test timeout: nothing can hang CI.
+# A hard bound on each pass on top of the plugin's per-test timeout: nothing can hang CI
+# (SIGKILL 60 s after the SIGTERM, should anything take no notice of it).
 for n in $sizes; do
     if [ "$n" = 1 ]; then
         # isolated mode off: the mpiexec passes below run the other sizes
-        run timeout 900 python -m pytest --mpi-isolated=no "${tests[@]}" "$@"
+        run timeout -k 60 900 python -m pytest --mpi-isolated=no "${tests[@]}" "$@"
         continue
     fi
     # cupycomm.run starts the environment's launcher with the options that leave ending a
@@ -65,6 +66,6 @@ for n in $sizes; do
     # MPI_Finalize and may then exit 0), and exits non-zero, naming the rank, whenever a rank
     # ended without finishing, whatever the launcher says.
     # No colour: Open MPI gives its ranks a terminal, and CI reads the closing line as text.
-    run timeout 900 python -m cupycomm.run -n "$n" -m pytest --color=no "${tests[@]}" "$@"
+    run timeout -k 60 900 python -m cupycomm.run -n "$n" -m pytest --color=no "${tests[@]}" "$@"
 done
 exit "$status"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from cupycomm import launchers
 from cupycomm.faults import launch
 from cupycomm.faults.board import alive
 from cupycomm.testing import SIMULATES_NODES, launch_environment, run_job, simulated_nodes
+from cupycomm.work import poll_until
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
@@ -159,6 +161,50 @@ def test_sigterm_ends_the_job_and_the_status_says_so(tmp_path):
     assert code == 128 + signal.SIGTERM, out + err
     assert "cupycomm.run: stopped by SIGTERM, forwarded to the job" in err, err
     assert not any(alive(pid) for pid in pids), "a rank outlived the job"
+    no_job_directory(tmp_path)
+
+
+def _children(pid):
+    """The pids of ``pid``'s child processes (Linux: /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:   # it has just ended
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
+def test_sigterm_ends_a_job_whose_output_nobody_reads(tmp_path):
+    """Open MPI's launcher, given SIGTERM while its stdout is a full pipe that nobody reads,
+    blocks for ever in a write and takes no further signal; cupycomm.run kills it (its whole
+    session) after the grace period, so nothing is left behind."""
+    (tmp_path / "job.py").write_text(WAITS.replace(
+        "if comm.rank == 0:", "sys.stdout.write(('x' * 1023 + '\\n') * 128)  # 128 KiB\n"
+                              "sys.stdout.flush()\nif comm.rank == 0:"))
+    job = subprocess.Popen([sys.executable, "-m", "cupycomm.run", "-n", "2", "job.py",
+                            str(tmp_path)], cwd=tmp_path, env=launch_environment(), text=True,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    try:
+        ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+        deadline = time.monotonic() + BOUND
+        while not all(p.exists() and p.read_text() for p in ready):
+            assert time.monotonic() < deadline and job.poll() is None, "the job did not start"
+            time.sleep(0.1)
+        launcher = _children(job.pid)
+        time.sleep(2)   # the ranks' output fills the pipe
+        job.send_signal(signal.SIGTERM)
+        code = job.wait(timeout=BOUND)   # not reading: the launcher's writes stay blocked
+    finally:
+        out, err = job.communicate()
+    assert code == 128 + signal.SIGTERM, err
+    assert "cupycomm.run: stopped by SIGTERM" in err, err
+    pids = [int(p.read_text()) for p in ready] + launcher
+    assert poll_until(lambda: not any(alive(pid) for pid in pids), timeout=10), "left behind"
     no_job_directory(tmp_path)
 
 
