@@ -17,7 +17,9 @@ of the plugin's rounds, and with which outcome. The job is ended
 The first rank of the node to notice prints why, then for each rank of the node its failure
 of the test (if it has one) and its stacks (:class:`~cupycomm.faults.stacks.PeerStacks`),
 then the tests that failed before, and aborts the job. The other ranks act later (``_GRACE``
-plus the time the first needs), in case the first one's thread cannot run.
+plus the time the first needs), in case the first one's thread cannot run; the death of a
+rank that said on the board that it is aborting the job is not reported again (Open MPI's
+launcher kills the others a moment after that rank has died).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ..faults.watchdog import unwatch, watch
 from ._outcomes import Kind, ranks_label
 
 __all__ = ["HangGuard", "EXIT_CODE", "FAILED_WAIT", "FIELDS", "RUNNING", "IN_ROUND",
-           "FINISHED", "position", "END_OF_SESSION"]
+           "FINISHED", "ABORTING", "position", "END_OF_SESSION"]
 
 EXIT_CODE = 1  # a hang is a test failure
 FAILED_WAIT = 5.0  # seconds a rank may stay inside a test after another failed it
@@ -46,7 +48,9 @@ _GRACE = 2.0
 # how many stacks were asked of it and how many it has written.
 PID, POS, STATE, KIND, SINCE, ASKED, WRITTEN = range(7)
 FIELDS = 8
-RUNNING, IN_ROUND, FINISHED = range(3)
+# ABORTING: the rank is ending the job (its report printed, MPI_Abort under way); its death
+# then is no new fault for its peers to report (Open MPI kills them a moment after it died).
+RUNNING, IN_ROUND, FINISHED, ABORTING = range(4)
 # Outcomes that stop a rank's test body part way: its peers may wait for what it never did.
 _STOPPED_EARLY = (Kind.FAILED, Kind.SKIPPED, Kind.XFAILED)
 END_OF_SESSION = 2 ** 62  # the position of the last round
@@ -159,8 +163,8 @@ class HangGuard:
 
     def _a_rank_died(self, rows: np.ndarray, ranks: List[int],
                      now: float) -> Optional[Tuple[str, str]]:
-        dead = [i for i, row in enumerate(rows)
-                if row[STATE] != FINISHED and row[PID] and not alive(int(row[PID]))]
+        dead = [i for i, row in enumerate(rows) if row[STATE] not in (FINISHED, ABORTING)
+                and row[PID] and not alive(int(row[PID]))]
         for i in dead:
             self._dead_since.setdefault(i, now)
         if not dead:
@@ -223,4 +227,6 @@ class HangGuard:
         out.flush()
         if self._stacks is not None:
             self._stacks.close()
+        if self._board is not None:
+            self._board.mine[STATE] = ABORTING
         abort_world(EXIT_CODE)
