@@ -19,9 +19,10 @@ from cupycomm.faults import flight
 from cupycomm.testing import no_auto_cleanup, run_mpiexec
 
 BOUND = 60   # seconds: no job here may take longer
-# MPICH handles SIGUSR1 itself (it is how hydra tells ranks of a failed peer): SIGUSR2 there
-REPORT_SIGNAL = signal.SIGUSR2 if MPI.Get_library_version().startswith("MPICH") \
-    else signal.SIGUSR1
+# MPICH and Intel MPI (an MPICH) handle SIGUSR1 themselves (it is how hydra tells ranks of a
+# failed peer): SIGUSR2 there
+REPORT_SIGNAL = (signal.SIGUSR2 if launchers.library_kind(MPI.Get_library_version())
+                 in ("mpich", "intelmpi") else signal.SIGUSR1)
 
 MISMATCH = """
 import numpy as np, cupycomm
