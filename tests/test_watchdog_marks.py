@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from cupycomm.faults.board import CLOSED, FIELDS, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from cupycomm._collectives import BY_NAME
-from cupycomm.faults import abort, flight
+from cupycomm.faults import abort
 from cupycomm.faults.abort import abort_job
 from cupycomm.faults.stacks import PeerStacks
 from cupycomm.faults.watchdog import GRACE, HOLD_MARGIN, Tracker, _Watchdog, unwatch
@@ -87,18 +87,6 @@ def test_a_blocking_call_that_waits_past_the_timeout_is_judged_a_hang(monkeypatc
     assert aborted == []
     tracker.check(now=11.5)
     assert len(aborted) == 1 and "all_reduce #5" in aborted[0] and "waited 2 s" in aborted[0]
-
-
-@pytest.fixture(autouse=True)
-def no_recorder_left_behind():
-    """A Tracker registers its flight recorder until it leaves; those made here (some on a
-    board without shared memory or lock) must not outlive their test: a later abort reports
-    every live recorder (test_abort_job_reports_where_it_is_told failed on one in the
-    single-process pass)."""
-    before = set(flight._recorders)
-    yield
-    for recorder in set(flight._recorders) - before:
-        recorder.close()
 
 
 # -- peers on the node board ----------------------------------------------------------------------
