@@ -116,7 +116,12 @@ def test_a_rank_that_exits_0_fails_the_job_naming_it(tmp_path, after):
     assert line.startswith("cupycomm.run: "), err
     assert "rank 2" in line, line
     if after == "pass":
-        assert "rank 2 (host " in line and "ended without finishing" in line, line
+        # cupycomm.run's own verdict; or, when a peer was still inside the all_reduce as
+        # rank 2 died (seen under Open MPI on a loaded machine), the watchdog's, which
+        # cupycomm.run's line repeats: rank 2 named as not finishing either way
+        assert ("rank 2 (host " in line and "ended without finishing" in line
+                or "rank 2 of communicator world" in line and "rank 2 did not finish" in line), \
+            line
     no_job_directory(tmp_path)
 
 
