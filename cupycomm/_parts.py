@@ -22,7 +22,7 @@ def offsets(sizes: Sequence[int], base: int = 0) -> List[int]:
 class _ShapeTable(dict):
     """A shape -> what ``size`` ranks make of it, computed once per shape so that the call
     path only looks it up. At most :attr:`KEEP` shapes are kept (then it starts over), so a
-    program whose shapes keep changing does not grow."""
+    program whose shapes keep changing does not grow. Each table defines ``compute(shape)``."""
 
     KEEP = 1024
 
@@ -33,11 +33,8 @@ class _ShapeTable(dict):
     def __missing__(self, shape: tuple) -> Any:
         if len(self) >= self.KEEP:
             self.clear()
-        value = self[shape] = self.compute(shape)
+        value = self[shape] = self.compute(shape)   # each table's own
         return value
-
-    def compute(self, shape: tuple) -> Any:
-        raise NotImplementedError
 
 
 class JoinedShapes(_ShapeTable):
