@@ -182,18 +182,18 @@ class ZeroCost:
 
 
 def device_section(number: int, rounds: int) -> None:
-    import nccl_standin
+    from cupycomm.testing import standin
 
-    class Array(nccl_standin.ndarray):
+    class Array(standin.ndarray):
         """The stand-in's array with CuPy's cost of ``data`` and ``device``: attributes read
         (C attributes in CuPy), not the objects the stand-in's properties make on each read."""
         data = device = None
 
-    comm = cupycomm.init(MPI.COMM_SELF, device_module=nccl_standin)
+    comm = cupycomm.init(MPI.COMM_SELF, device_module=standin)
     backend = comm.init_device()
     zero = ZeroCost()
     zero.install(backend)
-    x = nccl_standin.zeros(2, np.float32).view(Array)
+    x = standin.zeros(2, np.float32).view(Array)
     x.data = SimpleNamespace(ptr=x.__array_interface__["data"][0])
     x.device = SimpleNamespace(id=0)
     ptr = x.data.ptr

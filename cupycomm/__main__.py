@@ -41,9 +41,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--report", nargs="?", const="cupycomm-report.json", metavar="FILE",
                         help="write the field-test report to FILE (default "
                              "cupycomm-report.json); attach it to bug reports")
-    parser.add_argument("--device-module", metavar="PATH",
-                        help="the device module instead of CuPy: a file such as "
-                             "tests/nccl_standin.py (the test suite's host-memory stand-in)")
+    parser.add_argument("--device-module", metavar="MODULE",
+                        help="the device module instead of CuPy: a module name such as "
+                             "cupycomm.testing.standin (the host-memory stand-in) or a .py file")
     args = parser.parse_args(argv)
     world = _bootstrap.world()
     try:

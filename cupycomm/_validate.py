@@ -20,7 +20,7 @@ __all__ = ["Validation", "kind_name", "arg_name"]
 
 def kind_name(x: Any) -> str:
     """``numpy.ndarray``, ``torch.Tensor``: an object's library and type, for messages."""
-    return f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
+    return f"{type(x).__module__}.{type(x).__name__}"
 
 
 def arg_name(arg: Any) -> str:

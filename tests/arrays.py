@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cupycomm
-import nccl_standin
+from cupycomm.testing import standin
 from cupycomm import _bootstrap
 
 REDUCERS: dict = {
@@ -68,7 +68,7 @@ class TorchLib(Lib):
     the same way (bfloat16 through its 16-bit words, as NumPy has no bfloat16 of its own)."""
 
     def __init__(self, torch: Any) -> None:
-        super().__init__("torch", torch, None, device_module=nccl_standin, is_device=False)
+        super().__init__("torch", torch, None, device_module=standin, is_device=False)
         self._dtypes = {np.dtype(dtype): getattr(torch, name) for dtype, name in [
             (np.bool_, "bool"), (np.int8, "int8"), (np.uint8, "uint8"), (np.int16, "int16"),
             (np.uint16, "uint16"), (np.int32, "int32"), (np.uint32, "uint32"),
@@ -115,8 +115,8 @@ def _gpu_lib() -> Optional[Lib]:
 
 
 # Host communicators know the stand-in's array type too, so that mixing is detected.
-HOST = Lib("host", np, np.asarray, device_module=nccl_standin, is_device=False)
-STANDIN = Lib("standin", nccl_standin, nccl_standin.asnumpy, device_module=nccl_standin,
+HOST = Lib("host", np, np.asarray, device_module=standin, is_device=False)
+STANDIN = Lib("standin", standin, standin.asnumpy, device_module=standin,
               is_device=True)
 TORCH = _torch_lib()
 GPU = _gpu_lib()

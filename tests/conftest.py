@@ -9,13 +9,13 @@ import os
 import pytest
 from mpi4py import MPI
 
-import nccl_standin
+from cupycomm.testing import standin
 from arrays import GPU, STANDIN, lib_params
 from conformance import shapes
 from cupycomm.testing import release
 
 _SHAPES_DIRECTORY = os.environ.get(shapes.ENVIRONMENT_VARIABLE)
-_RECORDER = shapes.install(nccl_standin) if _SHAPES_DIRECTORY else None
+_RECORDER = shapes.install(standin) if _SHAPES_DIRECTORY else None
 
 # On a real GPU each NCCL communicator costs its creation (on one GPU shared by 4 ranks, most of
 # benchmarks/gpu_validate's time): the `comm` tests of one module share one, until a test fails

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cupycomm
-import nccl_standin
+from cupycomm.testing import standin
 from arrays import all_inputs, assert_equal, rank_input
 
 
@@ -100,7 +100,7 @@ def test_host_and_device_calls_cannot_share_a_block():
                                             "of host calls"):
             with comm.batch():
                 comm.sendrecv(np.full(2, float(comm.rank)), right, host_buf, left)
-                comm.isend(nccl_standin.asarray(np.ones(2)), right)
+                comm.isend(standin.asarray(np.ones(2)), right)
         np.testing.assert_array_equal(host_buf, np.full(2, -1.0))   # a block that raised: nothing ran
         with comm.batch():   # and the communicator is as usable as before
             comm.sendrecv(np.full(2, float(comm.rank)), right, host_buf, left)
@@ -128,13 +128,13 @@ def test_device_block_refuses_stream_and_early_wait():
     with STANDIN.comm() as comm:
         comm.init_device()
         right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-        buf = nccl_standin.empty(2)
+        buf = standin.empty(2)
         with comm.batch():
             work = comm.irecv(buf, left)
             with pytest.raises(RuntimeError, match="wait\\(\\) inside its batch\\(\\) block"):
                 work.wait()
             with pytest.raises(TypeError, match="stream= cannot be used inside a batch"):
-                comm.isend(nccl_standin.asarray(np.ones(2)), right,
-                           stream=nccl_standin.Stream())
-            comm.isend(nccl_standin.asarray(np.full(2, float(comm.rank))), right)
+                comm.isend(standin.asarray(np.ones(2)), right,
+                           stream=standin.Stream())
+            comm.isend(standin.asarray(np.full(2, float(comm.rank))), right)
         assert_equal(STANDIN, work.wait(), np.full(2, float(left)))

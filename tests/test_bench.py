@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import nccl_standin
+from cupycomm.testing import standin
 from arrays import GPU, GPU_SKIP_REASON
 from cupycomm import launchers
 from cupycomm.bench import main
@@ -35,7 +35,7 @@ from cupycomm import _bootstrap
 from cupycomm.backends.nccl import library_version
 
 ROOT = Path(__file__).resolve().parent.parent
-STANDIN_FILE = str(ROOT / "tests" / "nccl_standin.py")
+STANDIN_MODULE = "cupycomm.testing.standin"
 WORLD = MPI.COMM_WORLD
 TINY = ["-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1"]
 
@@ -72,7 +72,7 @@ def test_command_line_defaults_and_names():
         np.dtype(np.float32), "sum", 20, True, "auto")
     assert parse_args(["-d", "float"]).dtype == np.float32    # nccl-tests' float is 32-bit
     assert parse_args(["-d", "half"]).dtype == np.float16
-    opts = parse_args(["--device-module", STANDIN_FILE, "--no-work"])
+    opts = parse_args(["--device-module", STANDIN_MODULE, "--no-work"])
     assert (opts.backend, opts.check) == ("device", False)   # no data moves: nothing to check
 
 
@@ -469,7 +469,7 @@ def test_bfloat16_baseline_moves_uint16_bits_and_skips_reductions_with_a_note(ca
 
 
 def test_standin_device_run_is_labelled_and_checks_out(capfd):
-    status, out, _ = _run(TINY + ["--device-module", STANDIN_FILE, "--compare", "-o", "max"],
+    status, out, _ = _run(TINY + ["--device-module", STANDIN_MODULE, "--compare", "-o", "max"],
                           capfd)
     assert status == 0
     if WORLD.Get_rank() == 0:
@@ -479,11 +479,11 @@ def test_standin_device_run_is_labelled_and_checks_out(capfd):
 
 
 def test_no_work_standin_run_times_only_the_calls(capfd):
-    assert nccl_standin.NO_WORK is False
-    status, out, _ = _run(["all_reduce", "gather", "--device-module", STANDIN_FILE,
+    assert standin.NO_WORK is False
+    status, out, _ = _run(["all_reduce", "gather", "--device-module", STANDIN_MODULE,
                            "--no-work", "--compare"] + TINY, capfd)
     assert status == 0
-    assert nccl_standin.NO_WORK is False   # restored for the rest of the suite
+    assert standin.NO_WORK is False   # restored for the rest of the suite
     if WORLD.Get_rank() == 0:
         assert "NO_WORK=True" in out and "# #wrong in all: N/A" in out
 
@@ -608,7 +608,7 @@ def test_run_matrix_dry_run_plans_every_part_on_1_to_4_ranks():
                 ("host", r"-m cupycomm\.bench -b 8 -e 64M .*--backend host --compare", f"host_n{n}"),
                 ("host_8B", r"-m cupycomm\.bench -b 8 -e 8 -n 2000 .*--backend host --compare",
                  f"host_n{n}_8B"),
-                ("standin", r"-m cupycomm\.bench .*--device-module tests/nccl_standin\.py "
+                ("standin", r"-m cupycomm\.bench .*--device-module cupycomm\.testing\.standin "
                  r"--no-work --compare", f"standin_n{n}"),
                 ("callpath", r"benchmarks/callpath\.py", f"callpath_n{n}")]:
             assert re.search(rf"{launcher}{command}.* > benchmarks/results/\S+_{stem}\.txt$",

@@ -74,13 +74,13 @@ def test_coalesced_empty_list_does_nothing(lib, comm):
     ("bucket-zero", ValueError, "bucket_bytes must be a positive int, got 0"),
     ("not-a-list", TypeError, "arrays must be a list of arrays, got ndarray"),
     ("int-avg", ValueError, r"op='avg' is not defined for int32"),
-    ("mixed", TypeError, r"arrays\[1\] is (numpy|nccl_standin)\.ndarray but arrays\[0\] is "
-                         r"(numpy\.ndarray|nccl_standin\.ndarray|torch\.Tensor); one call takes "
+    ("mixed", TypeError, r"arrays\[1\] is (numpy|cupycomm\.testing\.standin)\.ndarray but arrays\[0\] is "
+                         r"(numpy\.ndarray|cupycomm\.testing\.standin\.ndarray|torch\.Tensor); one call takes "
                          r"host arrays or device"),
 ])
 def test_coalesced_rejects_bad_input_before_communication(lib, comm, case, kind, pattern):
-    import nccl_standin
-    other = np.ones(2) if lib.is_device else nccl_standin.asarray(np.ones(2))
+    from cupycomm.testing import standin
+    other = np.ones(2) if lib.is_device else standin.asarray(np.ones(2))
     calls = {"bucket-zero": lambda: comm.all_reduce_coalesced([lib.array(np.ones(2))],
                                                               bucket_bytes=0),
              "not-a-list": lambda: comm.all_reduce_coalesced(np.ones(2)),

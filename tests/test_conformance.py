@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-import nccl_standin
+from cupycomm.testing import standin
 from conformance import replay, shapes
 from cupycomm import _dtypes
 
@@ -62,8 +62,8 @@ def test_stand_in_constants_are_cupys():
     """Every number the stand-in's cuda.runtime and cuda.nccl publish (memcpy kinds, stream and
     capture flags...) is CuPy's: the recorded shapes carry them as they are."""
     compared = []
-    standin_nccl = importlib.import_module("nccl_standin.cuda.nccl")
-    for ours, theirs in [(nccl_standin.cuda.runtime, runtime), (standin_nccl, nccl)]:
+    standin_nccl = importlib.import_module("cupycomm.testing.standin.cuda.nccl")
+    for ours, theirs in [(standin.cuda.runtime, runtime), (standin_nccl, nccl)]:
         for name, value in vars(ours).items():
             if isinstance(value, int) and not isinstance(value, bool):
                 assert value == getattr(theirs, name), name
@@ -82,13 +82,13 @@ def test_peer_copies_tolerate_access_enabled_before(monkeypatch):
     cudaErrorPeerAccessAlreadyEnabled, which is no error here."""
     from cupycomm import devices
     from cupycomm.devices import copies
-    monkeypatch.setattr(nccl_standin, "DEVICE_COUNT", 2)
-    monkeypatch.setattr(nccl_standin, "peer_access", {(1, 0)})
+    monkeypatch.setattr(standin, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(standin, "peer_access", {(1, 0)})
     monkeypatch.setattr(copies, "_kept", {})   # this process has enabled no access yet
-    with nccl_standin.Device(0):
-        x = nccl_standin.asarray(np.arange(4.0))
-    parts = devices.scatter(x, [0, 1], device_module=nccl_standin)   # 1 reads 0's memory
-    assert [nccl_standin.asnumpy(part).tolist() for part in parts] == [[0.0, 1.0], [2.0, 3.0]]
+    with standin.Device(0):
+        x = standin.asarray(np.arange(4.0))
+    parts = devices.scatter(x, [0, 1], device_module=standin)   # 1 reads 0's memory
+    assert [standin.asnumpy(part).tolist() for part in parts] == [[0.0, 1.0], [2.0, 3.0]]
 
 
 @no_gpu
@@ -106,10 +106,10 @@ def test_stand_in_reads_nccl_datatypes_and_ops_as_nccl_defines_them():
                         ("UINT32", np.uint32), ("INT64", np.int64), ("UINT64", np.uint64),
                         ("FLOAT16", np.float16), ("FLOAT32", np.float32),
                         ("FLOAT64", np.float64)]:
-        assert nccl_standin._NCCL_DTYPES[getattr(nccl, f"NCCL_{name}")] == np.dtype(dtype)
+        assert standin._NCCL_DTYPES[getattr(nccl, f"NCCL_{name}")] == np.dtype(dtype)
     for name, ufunc in [("SUM", np.add), ("PROD", np.multiply), ("MAX", np.maximum),
                         ("MIN", np.minimum), ("AVG", np.add)]:
-        assert nccl_standin._NUMPY_OPS[getattr(nccl, f"NCCL_{name}")] is ufunc
+        assert standin._NUMPY_OPS[getattr(nccl, f"NCCL_{name}")] is ufunc
 
 
 # -- the replay ---------------------------------------------------------------------------------------
@@ -243,12 +243,12 @@ def test_recorded_files_merge_across_ranks(tmp_path):
 def test_split_works_without_comm_split_as_on_cupy_13(monkeypatch):
     """What replay.GUARDED says of commSplit, which CuPy 13 lacks: cupycomm looks first."""
     from arrays import STANDIN
-    monkeypatch.delattr(nccl_standin.NcclCommunicator, "commSplit")
+    monkeypatch.delattr(standin.NcclCommunicator, "commSplit")
     with STANDIN.comm() as comm:
         comm.init_device()
         half = comm.split(comm.rank % 2)
         assert half._nccl is None   # made from a new unique id on first use instead
-        total = half.all_reduce(nccl_standin.asarray(np.array([1], np.int64)))
-        assert nccl_standin.asnumpy(total).tolist() == [half.size]
+        total = half.all_reduce(standin.asarray(np.array([1], np.int64)))
+        assert standin.asnumpy(total).tolist() == [half.size]
         half.close()
     assert "cupy.cuda.nccl.NcclCommunicator.commSplit" in replay.GUARDED

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import cupycomm
-import nccl_standin as sd
+from cupycomm.testing import standin as sd
 from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal
 
 

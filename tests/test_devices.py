@@ -13,7 +13,7 @@ import pytest
 
 import cupycomm
 from cupycomm.coalesce import runs_by_dtype
-import nccl_standin as sd
+from cupycomm.testing import standin as sd
 from arrays import GPU, GPU_SKIP_REASON, STANDIN, lib_params, rank_input, reduce_reference
 from cupycomm import devices
 from cupycomm.backends import local as local_nccl
@@ -400,7 +400,7 @@ def bad_cases():
          r"broadcast: exactly one of devices and out must be given, got devices=None and "
          r"out=None"),
         ("both-devices-and-out", lambda put: devices.scatter(f8(), [0], out=[put(f8(), 0)], **D),
-         TypeError, r"devices=\[0\] and out=\[<nccl_standin\.ndarray of shape \(4, 4\)>\]"),
+         TypeError, r"devices=\[0\] and out=\[<cupycomm\.testing\.standin\.ndarray of shape \(4, 4\)>\]"),
         ("chunks-sum", lambda put: devices.scatter(f8((5, 2)), [0, 1], [2, 2], **D), ValueError,
          r"scatter: chunk_sizes \(2, 2\) add up to 4, but x has 5 along axis 0"),
         ("chunks-count", lambda put: devices.scatter(f8(), [0, 1], [4], **D), ValueError,

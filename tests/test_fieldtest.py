@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-import nccl_standin as sd
+from cupycomm.testing import standin as sd
 from arrays import STANDIN
 from cupycomm import fieldtest, launchers, selfcheck
 from cupycomm.__main__ import main
@@ -199,7 +199,7 @@ def test_with_the_real_cupy_and_no_gpu_the_command_says_so_and_exits_3(tmp_path)
 def test_the_command_under_mpiexec_on_the_standin_passes_every_line(tmp_path):
     path = tmp_path / "report.json"
     job = run_mpiexec(2, "-m", "cupycomm", "--report", str(path), "--device-module",
-                      str(ROOT / "tests" / "nccl_standin.py"), timeout=180, cwd=str(tmp_path))
+                      "cupycomm.testing.standin", timeout=180, cwd=str(tmp_path))
     assert job.returncode == 0, job.output
     found = json.loads(path.read_text())
     assert found["topology"]["ranks"] == 2 and found["exit_status"] == 0

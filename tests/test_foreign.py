@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupycomm
-import nccl_standin as sd
+from cupycomm.testing import standin as sd
 from cupycomm import _foreign
 from arrays import STANDIN
 

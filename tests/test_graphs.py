@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-import nccl_standin as sd
+from cupycomm.testing import standin as sd
 from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal
 
 

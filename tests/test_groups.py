@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-import nccl_standin
+from cupycomm.testing import standin
 from arrays import assert_equal, rank_input
 
 
@@ -96,12 +96,12 @@ def test_split_rejects_bad_arguments(comm, color, key, kind, pattern):
                          ids=["commSplit", "new-unique-id"])
 def test_device_subgroup_gets_its_nccl_communicator(monkeypatch, version, eager):
     from arrays import STANDIN
-    monkeypatch.setattr(nccl_standin, "VERSION", version)
+    monkeypatch.setattr(standin, "VERSION", version)
     with STANDIN.comm() as comm:
         comm.init_device()
         half = comm.split(comm.rank % 2)
         assert (half._nccl is not None) == eager   # split now, or made on first device use
-        total = half.all_reduce(nccl_standin.asarray(np.array([comm.rank], np.int64)))
+        total = half.all_reduce(standin.asarray(np.array([comm.rank], np.int64)))
         assert half._nccl is not None
         assert_equal(STANDIN, total,
                      np.array([sum(members_of(comm, lambda r: r % 2))], np.int64))

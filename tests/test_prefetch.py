@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cupycomm
-import nccl_standin as sd
+from cupycomm.testing import standin as sd
 from arrays import GPU, GPU_SKIP_REASON, rank_input
 
 DTYPES = list(cupycomm.DTYPES)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-import nccl_standin
+from cupycomm.testing import standin
 from cupycomm import _dtypes
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed: nothing to compare against")
@@ -27,7 +27,7 @@ def cupy_parameters(method, owner=None):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_nccl_communicator_methods_have_cupys_parameters(method):
-    ours = list(inspect.signature(getattr(nccl_standin.NcclCommunicator, method)).parameters)
+    ours = list(inspect.signature(getattr(standin.NcclCommunicator, method)).parameters)
     assert ours == cupy_parameters(method)
 
 
@@ -35,10 +35,10 @@ def test_comm_split_is_cupys_where_it_has_one_and_optional_for_the_backend(dcomm
     """CuPy 14 has NcclCommunicator.commSplit, CuPy 13.6 does not (pyproject allows both):
     the backend then makes subgroup communicators from new unique ids."""
     if hasattr(nccl.NcclCommunicator, "commSplit"):
-        ours = list(inspect.signature(nccl_standin.NcclCommunicator.commSplit).parameters)
+        ours = list(inspect.signature(standin.NcclCommunicator.commSplit).parameters)
         assert ours == cupy_parameters("commSplit")
     backend = dcomm.init_device()
-    monkeypatch.delattr(nccl_standin.NcclCommunicator, "commSplit")
+    monkeypatch.delattr(standin.NcclCommunicator, "commSplit")
     assert backend.split(0, dcomm.rank) is None
 
 
@@ -63,13 +63,13 @@ def test_cuda_names_the_backend_uses_exist_in_cupy():
                                  "NcclError", "get_version"])]:
         for name in names:
             assert hasattr(owner, name), f"{owner.__name__}.{name}"
-            stand_in = {cupy.cuda: nccl_standin.cuda, cupy.cuda.Stream: nccl_standin.Stream,
-                        cupy.cuda.Event: nccl_standin.Event, nccl: nccl_standin.nccl}[owner]
+            stand_in = {cupy.cuda: standin.cuda, cupy.cuda.Stream: standin.Stream,
+                        cupy.cuda.Event: standin.Event, nccl: standin.nccl}[owner]
             assert hasattr(stand_in, name), f"the stand-in lacks {name}"
 
 
 def test_real_unique_id_is_128_bytes_like_the_stand_ins():
-    assert len(nccl.get_unique_id()) == len(nccl_standin.get_unique_id()) == 128
+    assert len(nccl.get_unique_id()) == len(standin.get_unique_id()) == 128
 
 
 # -- one process, several devices (cupycomm.devices and cupycomm.prefetch) ------------------------
@@ -80,28 +80,28 @@ RUNTIME_FUNCTIONS = ["memcpyAsync", "memcpy2DAsync", "deviceCanAccessPeer",
 
 @pytest.mark.parametrize("method", LOCAL_METHODS)
 def test_one_process_communicators_have_cupys_parameters(method):
-    ours = list(inspect.signature(getattr(nccl_standin.LocalNcclCommunicator, method)).parameters)
+    ours = list(inspect.signature(getattr(standin.LocalNcclCommunicator, method)).parameters)
     assert ours == cupy_parameters(method)
 
 
 def test_init_all_and_pinned_memory_have_cupys_parameters():
-    assert list(inspect.signature(nccl_standin.NcclCommunicator.initAll).parameters) == \
+    assert list(inspect.signature(standin.NcclCommunicator.initAll).parameters) == \
         cupy_parameters("initAll")
-    assert list(inspect.signature(nccl_standin.alloc_pinned_memory).parameters) == \
+    assert list(inspect.signature(standin.alloc_pinned_memory).parameters) == \
         cupy_parameters("alloc_pinned_memory", cupy.cuda)
 
 
 @pytest.mark.parametrize("function", RUNTIME_FUNCTIONS)
 def test_runtime_functions_have_cupys_parameters(function):
-    ours = list(inspect.signature(getattr(nccl_standin.runtime, function)).parameters)
+    ours = list(inspect.signature(getattr(standin.runtime, function)).parameters)
     assert ours == cupy_parameters(function, cupy.cuda.runtime)
 
 
 def test_memcpy_kinds_match_and_streams_know_their_device():
     for name in ["memcpyHostToHost", "memcpyHostToDevice", "memcpyDeviceToHost",
                  "memcpyDeviceToDevice", "memcpyDefault"]:
-        assert getattr(nccl_standin.runtime, name) == getattr(cupy.cuda.runtime, name), name
+        assert getattr(standin.runtime, name) == getattr(cupy.cuda.runtime, name), name
     assert "~Stream.device_id (int)" in cupy.cuda.Stream.__doc__   # an attribute of instances
-    assert nccl_standin.Stream().device_id == 0 and nccl_standin.Stream.null.device_id == -1
+    assert standin.Stream().device_id == 0 and standin.Stream.null.device_id == -1
     assert hasattr(cupy.cuda, "PinnedMemoryPointer") and hasattr(cupy.cuda.runtime,
                                                                  "CUDARuntimeError")

@@ -1,4 +1,4 @@
-"""Each rule of the stand-in (see the list in ``nccl_standin``'s docstring), broken on purpose:
+"""Each rule of the stand-in (see the list in ``cupycomm.testing.standin``'s docstring), broken on purpose:
 the stand-in must refuse what CUDA or NCCL would refuse, or the suite proves nothing."""
 import contextlib
 import ctypes
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import nccl_standin as sd
+from cupycomm.testing import standin as sd
 from cupycomm.backends.nccl import NcclBackend, nccl_module
 from cupycomm.faults import watchdog
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupycomm
-import nccl_standin
+from cupycomm.testing import standin
 from arrays import HOST, STANDIN, all_inputs, assert_equal, rank_input
 
 F8 = np.float64
@@ -42,7 +42,7 @@ def cases():
         ("out-non-contiguous", lambda c, lib: c.all_reduce(a(lib), out=a(lib, (8,))[::2]),
          ValueError, "out must be C-contiguous"),
         ("out-kind", lambda c, lib: c.all_reduce(
-            a(lib), out=np.ones(4) if lib.is_device else nccl_standin.empty(4)),
+            a(lib), out=np.ones(4) if lib.is_device else standin.empty(4)),
          TypeError, "one call takes host arrays or device arrays, not both"),
         ("all-gather-out-size", lambda c, lib: c.all_gather(a(lib), out=a(lib, (4 * c.size + 1,))),
          ValueError, r"out has shape \(\d+,\), expected \(\d+, 4\) or \(\d+,\)"),
@@ -124,14 +124,14 @@ def test_closed_communicator(lib):
 
 
 def test_array_on_another_device(monkeypatch):
-    monkeypatch.setattr(nccl_standin, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(standin, "DEVICE_COUNT", 2)
     from mpi4py import MPI
-    with cupycomm.init(MPI.COMM_WORLD, device=0, device_module=nccl_standin) as comm:
-        with nccl_standin.Device(1):
-            elsewhere = nccl_standin.asarray(np.ones(3))
+    with cupycomm.init(MPI.COMM_WORLD, device=0, device_module=standin) as comm:
+        with standin.Device(1):
+            elsewhere = standin.asarray(np.ones(3))
         with pytest.raises(ValueError, match="x is on device 1 but the communicator uses device 0"):
             comm.all_reduce(elsewhere)
-        here = nccl_standin.asarray(np.ones(3))
+        here = standin.asarray(np.ones(3))
         assert_equal(STANDIN, comm.all_reduce(here), np.full(3, float(comm.size)))
 
 
@@ -190,12 +190,12 @@ def test_read_only_inputs_are_accepted(lib, comm):
 
 
 def test_stream_must_be_a_stream(dcomm):
-    x = nccl_standin.asarray(np.ones(2))
+    x = standin.asarray(np.ones(2))
     for bad in ("abc", 7, object()):
         with pytest.raises(TypeError, match=r"all_reduce: stream must be a CUDA stream "
                                             r"\(cupy.cuda.Stream or ExternalStream\), got"):
             dcomm.all_reduce(x, stream=bad)
-    assert_equal(STANDIN, dcomm.all_reduce(x, stream=nccl_standin.Stream()),
+    assert_equal(STANDIN, dcomm.all_reduce(x, stream=standin.Stream()),
                  np.full(2, float(dcomm.size)))
 
 

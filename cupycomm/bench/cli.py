@@ -151,10 +151,10 @@ def _parser(rank: int) -> argparse.ArgumentParser:
                    help="time the raw libraries too, interleaved call for call: mpi4py on "
                         "the host; NcclCommunicator, cupyx.distributed, torch.distributed on "
                         "the device")
-    p.add_argument("--device-module", metavar="PATH",
-                   help="the device module cupycomm.init(device_module=) gets: a file such as "
-                        "tests/nccl_standin.py (a host-memory stand-in: rows are labelled "
-                        "stand-in, never GPU numbers) or a module name")
+    p.add_argument("--device-module", metavar="MODULE",
+                   help="the device module cupycomm.init(device_module=) gets: a module name "
+                        "such as cupycomm.testing.standin (a host-memory stand-in: rows are "
+                        "labelled stand-in, never GPU numbers) or a .py file")
     p.add_argument("--no-work", action="store_true",
                    help="with a stand-in device module: set its NO_WORK, so that only the "
                         "Python cost of the calls is timed (implies --no-check)")
@@ -189,7 +189,7 @@ def parse_args(argv: Optional[Sequence[str]], rank: int = 0) -> Options:
         raise UsageError(f"--root must be a rank, got {a.root}")
     if a.no_work and a.device_module is None:
         raise UsageError("--no-work applies to a stand-in device module: add --device-module "
-                         "tests/nccl_standin.py")
+                         "cupycomm.testing.standin")
     if a.device_module is not None and a.backend == "host":
         raise UsageError("--device-module is for the device backend; drop --backend host")
     row = DTYPES[a.dtype]

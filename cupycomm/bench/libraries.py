@@ -152,7 +152,7 @@ def load_device_module(spec: str) -> Any:
 
     Example::
 
-        standin = load_device_module("tests/nccl_standin.py")
+        standin = load_device_module("cupycomm.testing.standin")
     """
     path = Path(spec)
     if path.suffix != ".py":

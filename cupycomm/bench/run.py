@@ -102,7 +102,7 @@ def _setup(comm: Any, opts: Options, module: Any) -> Setup:
         return host_setup(comm, opts.compare)
     if opts.backend == "device" and not everywhere(comm, comm.device is not None):
         raise UsageError("--backend device: not every rank has a GPU (CuPy sees none); use "
-                         "--backend host, or --device-module tests/nccl_standin.py to time the "
+                         "--backend host, or --device-module cupycomm.testing.standin to time the "
                          "device path on the host-memory stand-in")
     if DTYPES[opts.dtype].nccl_type is None and any(ROWS[n].reduces for n in opts.collectives):
         raise UsageError(f"NCCL has no {opts.dtype} to reduce: choose another --dtype, or only "

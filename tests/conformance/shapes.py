@@ -53,6 +53,7 @@ CLASS_ALIASES = {"LocalNcclCommunicator": "cupy.cuda.nccl.NcclCommunicator",
 _INT32 = 2 ** 31
 _INT64 = 2 ** 63
 _RECORDED_CALLERS = "cupycomm"
+_STANDIN = "cupycomm.testing.standin"   # inside the package, but its calls to itself are not cupycomm's
 
 
 def describe(value: Any, class_names: Dict[type, str], enum: bool = False) -> list:
@@ -158,7 +159,8 @@ def load(paths: Iterable[str]) -> List[dict]:
 # -- installing the recorder on the stand-in -------------------------------------------------------
 def _called_from_cupycomm() -> bool:
     caller = sys._getframe(2).f_globals.get("__name__", "")
-    return caller == _RECORDED_CALLERS or caller.startswith(_RECORDED_CALLERS + ".")
+    return ((caller == _RECORDED_CALLERS or caller.startswith(_RECORDED_CALLERS + "."))
+            and not caller.startswith(_STANDIN))
 
 
 def _recording(function: Callable, name: str, kind: str, recorder: Recorder,
@@ -215,7 +217,7 @@ def _wrap_class(cls: type, name: str, recorder: Recorder) -> None:
 
 
 def install(standin: types.ModuleType, recorder: Optional[Recorder] = None) -> Recorder:
-    """Record the calls cupycomm makes to ``standin`` (the ``nccl_standin`` module) from now on.
+    """Record the calls cupycomm makes to ``standin`` (``cupycomm.testing.standin``) from now on.
 
     Functions are replaced by recording wrappers in each namespace of the stand-in; the
     stand-in's classes get recording methods, properties and constructors in place.

@@ -79,14 +79,14 @@ def device_peer_dies() -> None:
     """The others wait for a device receive from the culprit (NCCL on the stand-in), which
     dies: their watchdog aborts the NCCL communicator and the wait raises PeerLost."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import nccl_standin
-    comm = cupycomm.init(timeout=60.0, device_module=nccl_standin)
+    from cupycomm.testing import standin
+    comm = cupycomm.init(timeout=60.0, device_module=standin)
     comm.init_device()
     culprit = comm.size - 1
     if comm.rank == culprit:
         time.sleep(1.0)   # the others' receives are posted by then
         os._exit(0)
-    work = comm.irecv(nccl_standin.empty(4), culprit)
+    work = comm.irecv(standin.empty(4), culprit)
     work.synchronize()
     print(f"rank {comm.rank} finished with a message from a dead rank", flush=True)
 

@@ -1112,7 +1112,7 @@ def deferred(stream: Stream):
 # ==================================================================================================
 # STAND-IN, continued: one process driving several devices (cupycomm.devices, cupycomm.prefetch)
 #
-# Tests choose the number of devices with ``monkeypatch.setattr(nccl_standin, "DEVICE_COUNT", 4)``.
+# Tests choose the number of devices with ``monkeypatch.setattr(standin, "DEVICE_COUNT", 4)``.
 # - CuPy's device checks: a stream is entered on its own device (streams remember theirs), an
 #   event is recorded on a stream of its own device, and each device has its own current stream.
 # - runtime.memcpyAsync and memcpy2DAsync with CUDA's host-memory rules: a copy between device
