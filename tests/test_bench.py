@@ -613,6 +613,12 @@ def test_gpu_validate_quick_plan_fits_eight_minutes(share, wrapper, tmp_path):
     assert re.search(r"--backend device --compare", command["bench_n2"])
     assert "-e 64M" in command["bench_n2"] and "mpiexec -n 2" in command["bench_n2"]
     assert not (tmp_path / "run").exists()   # a plan writes nothing
+    guide = (ROOT / "docs" / "guide" / "testing.md").read_text()
+    assert f"they sum to {total} s" in guide
+    for s in steps:   # the guide's table of the steps gives each its bound
+        row = next(line for line in guide.splitlines() if line.startswith(f"| {s['name']}")
+                   or f", {s['name']} |" in line)
+        assert re.search(rf"\b{s['bound']}\b", row), (s["name"], row)
 
 
 def test_gpu_validate_quick_plan_needs_no_mpi_nor_gpu():
