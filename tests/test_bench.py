@@ -584,6 +584,71 @@ def test_gpu_validate_shares_the_gpu_as_the_nccl_version_allows():
     assert f"ranks share the GPU by {'multirank' if newer else 'hostid'}" in done.stdout
 
 
+QUICK_STEPS = ["install", "versions", "quickstart_n1", "quickstart_n2", "report_n1", "report_n2",
+               "tests_n1", "bench_n2"]
+PLANNED = re.compile(r"^\+ (?P<name>\S+) +(?P<bound>\d+) s  (?P<command>.*) > (?P<log>\S+)$",
+                     re.MULTILINE)
+
+
+@pytest.mark.parametrize("share, wrapper", [("hostid", "benchmarks/with_hostid "),
+                                            ("multirank", "")])
+def test_gpu_validate_quick_plan_fits_eight_minutes(share, wrapper, tmp_path):
+    """The quick GPU check's plan (what CI can check of it): every step, each bounded, the
+    bounds summing to at most 480 s, the MPI from the wheel folder only."""
+    done = _script(ROOT / "benchmarks" / "gpu_validate", "--quick", "--dry-run", "--out",
+                   tmp_path / "run", env={"SHARE_GPU_BY": share})
+    assert done.returncode == 0, done.stderr
+    steps = list(PLANNED.finditer(done.stdout))
+    assert [s["name"] for s in steps] == QUICK_STEPS, done.stdout
+    total = sum(int(s["bound"]) for s in steps)
+    assert f"# 8 steps, bounds summing to {total} s (limit 480 s)" in done.stdout
+    assert total <= 480
+    assert all(s["log"] == f"{tmp_path / 'run'}/{s['name']}.log" for s in steps)
+    command = {s["name"]: s["command"] for s in steps}
+    assert re.search(r"-m pip install .*--no-index --no-deps .*--ignore-installed .*--prefix "
+                     r"\S+ \.whl/", command["install"])
+    assert command["quickstart_n2"].startswith(f"mpiexec -n 2 {wrapper}python3 ")
+    assert f"mpiexec -n 2 {wrapper}python3 -m cupycomm --report" in command["report_n2"]
+    assert "-p cupycomm.testing.plugin" in command["tests_n1"] and "-m gpu" in command["tests_n1"]
+    assert re.search(r"--backend device --compare", command["bench_n2"])
+    assert "-e 64M" in command["bench_n2"] and "mpiexec -n 2" in command["bench_n2"]
+    assert not (tmp_path / "run").exists()   # a plan writes nothing
+    guide = (ROOT / "docs" / "guide" / "testing.md").read_text()
+    assert f"they sum to {total} s" in guide
+    for s in steps:   # the guide's table of the steps gives each its bound
+        row = next(line for line in guide.splitlines() if line.startswith(f"| {s['name']}")
+                   or f", {s['name']} |" in line)
+        assert re.search(rf"\b{s['bound']}\b", row), (s["name"], row)
+
+
+def test_gpu_validate_quick_plan_needs_no_mpi_nor_gpu():
+    """The plan is printed where Python cannot even start (nothing there is run)."""
+    done = _script(ROOT / "benchmarks" / "gpu_validate", "--quick", "--dry-run",
+                   env={"PYTHON": "false", "SHARE_GPU_BY": ""})
+    assert done.returncode == 0, done.stderr
+    assert "NCCL not found: ranks share the GPU by hostid" in done.stdout
+    assert [s["name"] for s in PLANNED.finditer(done.stdout)] == QUICK_STEPS
+
+
+@pytest.mark.mpi(max_size=1)   # one run of the script: its steps start jobs of their own
+def test_gpu_validate_quick_runs_every_step_and_fails_if_one_did(tmp_path):
+    """Steps that all fail (no wheels, a Python that fails at once): each still runs, its log
+    written, summary.txt says how each ended and in how many seconds, the status is 1."""
+    wheels = tmp_path / "no-wheels"
+    wheels.mkdir()
+    out = tmp_path / "run"
+    done = _script(ROOT / "benchmarks" / "gpu_validate", "--quick", "--wheels", wheels,
+                   "--out", out, env={"PYTHON": "false", "SHARE_GPU_BY": "multirank"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = (out / "summary.txt").read_text().splitlines()
+    ended = [line.split()[0] for line in summary if re.search(r" \d+ s of +\d+  ", line)]
+    assert ended == QUICK_STEPS, summary
+    assert all("FAIL (exit " in line for line in summary if line.split()[0] in QUICK_STEPS)
+    assert summary[-1].startswith("quick check: 0 of 8 steps passed")
+    assert all((out / f"{name}.log").exists() for name in QUICK_STEPS)
+    assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in (out / "environment.txt").read_text()
+
+
 def _outside_mpiexec(**extra):
     """This environment less what mpiexec gave this rank (a launcher started from here must
     not take itself for a rank), less the active virtual environment and its PATH entry."""

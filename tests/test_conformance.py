@@ -89,6 +89,13 @@ def test_peer_copies_tolerate_access_enabled_before(monkeypatch):
         x = standin.asarray(np.arange(4.0))
     parts = devices.scatter(x, [0, 1], device_module=standin)   # 1 reads 0's memory
     assert [standin.asnumpy(part).tolist() for part in parts] == [[0.0, 1.0], [2.0, 3.0]]
+    assert standin.last_error() == 0   # CuPy reset it before raising (stand-in rule 14)
+
+
+def test_cupys_runtime_resets_the_last_error_itself():
+    """No getLastError to call, and none needed: CuPy's wrappers reset the thread's last
+    error before they raise (stand-in rule 14 models this CuPy)."""
+    assert not hasattr(runtime, "getLastError") and hasattr(runtime, "check_status")
 
 
 @no_gpu

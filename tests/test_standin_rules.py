@@ -270,3 +270,21 @@ def test_freed_memory_is_poisoned_in_its_streams_order_and_reused_by_that_stream
         with other:
             assert sd.empty(4).data.ptr != address       # not another stream's
         assert sd.empty(4).data.ptr == address           # this stream's, at once
+
+
+# -- the host thread's last error -------------------------------------------------------------------
+def test_a_refused_peer_access_leaves_no_last_error_as_cupy_resets_it(monkeypatch):
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(sd, "peer_access", {(0, 1)})
+    monkeypatch.setattr(sd._thread_errors, "status", 0, raising=False)
+    with sd.Device(0), pytest.raises(sd.CUDARuntimeError) as refused:
+        sd.cuda.runtime.deviceEnablePeerAccess(1)
+    assert refused.value.status == 704 and sd.last_error() == 0
+    with pytest.raises(AttributeError):   # CuPy's Python runtime has none to call
+        sd.cuda.runtime.getLastError()
+    # without CuPy's reset the status stays, on this thread only
+    monkeypatch.setattr(sd, "_get_last_error", lambda: None)
+    with sd.Device(0), pytest.raises(sd.CUDARuntimeError):
+        sd.cuda.runtime.deviceEnablePeerAccess(1)
+    assert sd.last_error() == 704
+    assert in_new_thread(sd.last_error) == 0

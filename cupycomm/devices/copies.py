@@ -125,7 +125,9 @@ def _peer_access(lib: Lib, device: int, peer: int) -> bool:
     """Let ``device`` reach ``peer``'s memory directly where the hardware can (otherwise CUDA
     stages peer copies through the host), tolerating access that something else enabled
     first. (Not with CuPy's private ``runtime._deviceEnsurePeerAccess``: once any module runs
-    ``import cupy.cuda.runtime``, ``cupy.cuda.runtime`` is a Python module of public names.)"""
+    ``import cupy.cuda.runtime``, ``cupy.cuda.runtime`` is a Python module of public names.
+    The refusal leaves no last error on the thread for a later check to find: CuPy's
+    ``check_status`` resets it with cudaGetLastError before raising, as that helper does.)"""
     runtime = lib.xp.cuda.runtime
     if runtime.deviceCanAccessPeer(device, peer):
         with lib.xp.cuda.Device(device):

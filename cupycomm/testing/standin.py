@@ -66,6 +66,12 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     in captures): a call on one stream first lets the stream of the communicator's previous
     call get past it [NCCL ``enqueue.cc``: ncclLaunchPrepare makes the launch stream wait on
     the communicator's device stream, ncclLaunchFinish makes that wait on the kernel].
+14. A failed runtime call is kept as the host thread's last error (:func:`last_error`), which
+    CuPy's wrappers reset before they raise; its Python runtime has no ``getLastError``: a
+    ``deviceEnablePeerAccess`` of a pair already enabled (status 704) leaves none [CUDA
+    Runtime API, cudaGetLastError: the last error of any runtime call in the host thread,
+    reset by the call; CuPy v14.2.0 ``cupy_backends/cuda/api/runtime.pyx``: ``check_status``
+    calls cudaGetLastError before raising, as ``_deviceEnsurePeerAccess`` does for 704].
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -1373,13 +1379,41 @@ for _name in ("memcpyAsync", "memcpy2DAsync", "memcpyHostToHost", "memcpyHostToD
     setattr(runtime, _name, globals()[_name])
 
 
+_thread_errors = threading.local()   # rule 14: each host thread's last error
+
+
+def last_error() -> int:
+    """The status cudaGetLastError would return on this thread now (0: none), left as it is."""
+    return getattr(_thread_errors, "status", 0)
+
+
+def _get_last_error() -> int:
+    """cudaGetLastError: this thread's last error, which it resets to none."""
+    status, _thread_errors.status = last_error(), 0
+    return status
+
+
+def _enable_peer_access(peerDevice: int) -> int:
+    """cudaDeviceEnablePeerAccess: its status, a failure kept as this thread's last error."""
+    if (Device.current_id(), peerDevice) in peer_access:
+        _thread_errors.status = 704   # cudaErrorPeerAccessAlreadyEnabled
+        return 704
+    _deviceEnsurePeerAccess(peerDevice)
+    return 0
+
+
+def check_status(status: int) -> None:
+    """CuPy's check_status: a failure resets the last error, then raises."""
+    if status:
+        _get_last_error()
+        error = CUDARuntimeError(f"stand-in: CUDA runtime status {status}")
+        error.status = status
+        raise error
+
+
 def deviceEnablePeerAccess(peerDevice: int) -> None:
     """CUDA refuses a second enabling: cudaErrorPeerAccessAlreadyEnabled (status 704)."""
-    if (Device.current_id(), peerDevice) in peer_access:
-        error = CUDARuntimeError("stand-in: cudaErrorPeerAccessAlreadyEnabled")
-        error.status = 704
-        raise error
-    _deviceEnsurePeerAccess(peerDevice)
+    check_status(_enable_peer_access(peerDevice))
 
 
 runtime.deviceEnablePeerAccess = deviceEnablePeerAccess
