@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
-from . import launchers
+from .run import launchers
 from ._bootstrap import node_name
 from .backends.nccl import library_version
 
@@ -55,7 +55,7 @@ class Verdict:
 
 def mpi_environment() -> Dict[str, str]:
     """The MPI library (``MPI.Get_library_version``, its first line, and its kind) and the
-    launcher of this environment (:func:`cupycomm.launchers.find`: kind, path, version).
+    launcher of this environment (:func:`cupycomm.run.launchers.find`: kind, path, version).
     Not collective; the launcher is asked by running it with ``--version``.
 
     Example::
