@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
-from .places import HOST, Lib, Place, brief, describe, with_length
+from .places import HOST, DeviceCall, Place, brief, describe, with_length
 from .._parts import offsets, views_of
 from ..coalesce import runs_by_dtype
 from .copies import (Copy, Order, broadcast_arrays, keep, move, sum_arrays, whole)
@@ -48,7 +48,7 @@ BUFFER_BYTES = 10 * 2 ** 20
 
 
 # -- coalescing -----------------------------------------------------------------------------------
-def _flatten(lib: Lib, arrays: Sequence[Any], place: Place) -> Any:
+def _flatten(lib: DeviceCall, arrays: Sequence[Any], place: Place) -> Any:
     """One 1-d array at ``place`` holding ``arrays`` (of one dtype) one after another."""
     sizes = [a.size for a in arrays]
     flat = lib.empty(place, (sum(sizes),), arrays[0].dtype)
@@ -87,7 +87,7 @@ def broadcast(x: Any, devices: Optional[Sequence[Any]] = None, *,
         x = cupy.arange(3)                           # on device 0
         a, b = devices.broadcast(x, devices=[0, 1])  # a on device 0, b on device 1: [0, 1, 2]
     """
-    lib = Lib("broadcast", device_module)
+    lib = DeviceCall("broadcast", device_module)
     source = lib.place("x", x)
     lib.one_of("devices", devices, "out", out)
     if out is None:
@@ -111,7 +111,7 @@ def broadcast_coalesced(arrays: Sequence[Any], devices: Sequence[Any], *,
         w, b = cupy.ones((2, 2)), cupy.zeros(2)      # on device 0
         (w0, b0), (w1, b1) = devices.broadcast_coalesced([w, b], devices=[0, 1])
     """
-    lib = Lib("broadcast_coalesced", device_module)
+    lib = DeviceCall("broadcast_coalesced", device_module)
     arrays = lib.sequence("arrays", arrays, empty=True)
     places = [lib.place(f"arrays[{i}]", a) for i, a in enumerate(arrays)]
     for i, p in enumerate(places):
@@ -157,7 +157,7 @@ def scatter(x: Any, devices: Optional[Sequence[Any]] = None,
         x = numpy.arange(10).reshape(5, 2)
         a, b = devices.scatter(x, devices=[0, 1])   # a: rows 0..2 on device 0, b: rows 3..4 on 1
     """
-    lib = Lib("scatter", device_module)
+    lib = DeviceCall("scatter", device_module)
     source = lib.place("x", x)
     axis = lib.axis("x", x, axis)
     lib.one_of("devices", devices, "out", out)
@@ -200,7 +200,7 @@ def gather(arrays: Sequence[Any], axis: int = 0, destination: Any = None, *, out
         parts = [cupy.arange(2), cupy.arange(3)]    # say on devices 0 and 1
         devices.gather(parts, destination="cpu")     # array([0, 1, 0, 1, 2])
     """
-    lib = Lib("gather", device_module)
+    lib = DeviceCall("gather", device_module)
     arrays = lib.sequence("arrays", arrays)
     places = [lib.place(f"arrays[{i}]", a) for i, a in enumerate(arrays)]
     first = arrays[0]
@@ -240,7 +240,7 @@ def reduce_add(inputs: Sequence[Any], destination: Any = None, *,
         xs = [cupy.full(2, 1.0), cupy.full(2, 2.0)]   # on devices 0 and 1
         devices.reduce_add(xs, destination=0)          # array([3., 3.]) on device 0
     """
-    lib = Lib("reduce_add", device_module)
+    lib = DeviceCall("reduce_add", device_module)
     inputs = lib.sequence("inputs", inputs)
     places = tuple(lib.place(f"input {i}", a) for i, a in enumerate(inputs))
     for i, a in enumerate(inputs[1:], 1):
@@ -264,7 +264,7 @@ def reduce_add_coalesced(inputs: Sequence[Sequence[Any]], destination: Any = Non
         grads = [[w0, b0], [w1, b1]]                   # w0, b0 on device 0; w1, b1 on device 1
         w, b = devices.reduce_add_coalesced(grads, destination=0)
     """
-    lib = Lib("reduce_add_coalesced", device_module)
+    lib = DeviceCall("reduce_add_coalesced", device_module)
     rows = [lib.sequence(f"inputs[{i}]", row, empty=True)
             for i, row in enumerate(lib.sequence("inputs", inputs))]
     first = rows[0]
@@ -318,7 +318,7 @@ def parallel_apply(fn: Union[Callable, Sequence[Callable]], inputs: Sequence[Any
         parts = devices.scatter(x, devices=[0, 1])
         outs = devices.parallel_apply(lambda a: a * 2, parts)
     """
-    lib = Lib("parallel_apply", device_module)
+    lib = DeviceCall("parallel_apply", device_module)
     inputs = lib.sequence("inputs", inputs)
     fns = [fn] * len(inputs) if callable(fn) else lib.sequence("fn", fn)
     if len(fns) != len(inputs) or not all(callable(f) for f in fns):
@@ -355,7 +355,7 @@ def parallel_apply(fn: Union[Callable, Sequence[Callable]], inputs: Sequence[Any
     return outputs
 
 
-def _new_stream(lib: Lib, device: int) -> Any:
+def _new_stream(lib: DeviceCall, device: int) -> Any:
     with lib.on(device):
         return lib.xp.cuda.Stream(non_blocking=True)
 
@@ -367,4 +367,4 @@ def count(*, device_module: Any = None) -> int:
 
         places = list(range(devices.count())) or ["cpu"] * 2
     """
-    return Lib("count", device_module).gpu_count()
+    return DeviceCall("count", device_module).gpu_count()

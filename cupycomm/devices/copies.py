@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 
 from ..backends import local
-from .places import HOST, Lib, Place
+from .places import HOST, DeviceCall, Place
 
 __all__ = ["keep", "Order", "Copy", "whole", "move", "broadcast_arrays", "sum_arrays"]
 
@@ -30,7 +30,7 @@ def keep(key: tuple, make: Callable[[], Any]) -> Any:
 class Order:
     """The events of one call, between its devices' current streams and the streams it uses."""
 
-    def __init__(self, lib: Lib) -> None:
+    def __init__(self, lib: DeviceCall) -> None:
         self._cuda = lib.xp.cuda
         self._current: Dict[int, Any] = {}
         self._ready: Dict[int, Any] = {}
@@ -121,7 +121,7 @@ def _memcpy(runtime: Any, c: Copy, stream: Any) -> None:
 PEER_ACCESS_ALREADY_ENABLED = 704   # cudaErrorPeerAccessAlreadyEnabled (CUDA's driver_types.h)
 
 
-def _peer_access(lib: Lib, device: int, peer: int) -> bool:
+def _peer_access(lib: DeviceCall, device: int, peer: int) -> bool:
     """Let ``device`` reach ``peer``'s memory directly where the hardware can (otherwise CUDA
     stages peer copies through the host), tolerating access that something else enabled
     first. (Not with CuPy's private ``runtime._deviceEnsurePeerAccess``: once any module runs
@@ -139,7 +139,8 @@ def _peer_access(lib: Lib, device: int, peer: int) -> bool:
     return True
 
 
-def move(lib: Lib, copies: Sequence[Copy], streams: Optional[Dict[Place, Any]] = None) -> None:
+def move(lib: DeviceCall, copies: Sequence[Copy],
+         streams: Optional[Dict[Place, Any]] = None) -> None:
     """Run ``copies``: host ones at once, the others each on the stream of its GPU end (the
     destination's, else the source's), ordered by events (module docstring)."""
     batches: Dict[int, List[Copy]] = {}
@@ -167,7 +168,7 @@ def move(lib: Lib, copies: Sequence[Copy], streams: Optional[Dict[Place, Any]] =
 
 
 # -- the shared bodies ----------------------------------------------------------------------------
-def broadcast_arrays(lib: Lib, sources: List[Any], source: Place, targets: Tuple[Place, ...],
+def broadcast_arrays(lib: DeviceCall, sources: List[Any], source: Place, targets: Tuple[Place, ...],
                      outs: Optional[List[List[Any]]] = None) -> List[List[Any]]:
     """``result[t][k]``: a copy of ``sources[k]`` (C-contiguous, at ``source``) at
     ``targets[t]``, in ``outs[t][k]`` when given."""
@@ -188,7 +189,7 @@ def broadcast_arrays(lib: Lib, sources: List[Any], source: Place, targets: Tuple
     return outs
 
 
-def sum_arrays(lib: Lib, jobs: List[List[Any]], places: Tuple[Place, ...],
+def sum_arrays(lib: DeviceCall, jobs: List[List[Any]], places: Tuple[Place, ...],
                destination: Place) -> List[Any]:
     """The elementwise sum of each job's arrays (``job[i]`` at ``places[i]``, C-contiguous,
     alike), at ``destination``."""

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 
 from .._dtypes import DTYPES
-from .places import HOST, Lib, brief
+from .places import HOST, DeviceCall, brief
 from .nested import map_arrays, path_text
 
 __all__ = ["prefetch", "Prefetcher"]
@@ -55,7 +55,7 @@ def prefetch(iterable: Iterable, device: Any, depth: int = 2, *,
         for x, y in cupycomm.prefetch(loader, device=comm.device, depth=2):
             loss = step(x, y)             # x and y are on the device
     """
-    lib = Lib("prefetch", device_module)
+    lib = DeviceCall("prefetch", device_module)
     depth = lib.integer("depth", depth, 0)
     try:
         source = iter(iterable)
@@ -106,7 +106,7 @@ class Prefetcher(Iterator):
     end of the items) waits for the copies in flight and frees the staging buffers.
     """
 
-    def __init__(self, source: Iterator, device: int, depth: int, lib: Lib) -> None:
+    def __init__(self, source: Iterator, device: int, depth: int, lib: DeviceCall) -> None:
         self._source = source
         self._depth = depth
         self._lib = lib
