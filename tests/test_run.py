@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cupycomm.run import launchers
-from cupycomm.faults import launch
+from cupycomm.run import job as launch
 from cupycomm.faults.board import alive
 from cupycomm.testing import SIMULATES_NODES, launch_environment, run_job, simulated_nodes
 from cupycomm.work import poll_until
