@@ -33,7 +33,7 @@ involves a GPU (the test suite passes its host-memory stand-in).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union, cast
 
 from .places import HOST, DeviceCall, Place, brief, describe, with_length
 from .._parts import offsets, views_of
@@ -57,9 +57,10 @@ def _flatten(lib: DeviceCall, arrays: Sequence[Any], place: Place) -> Any:
     return flat
 
 
-def _unflatten(flats: Sequence[Any], buckets: List[List[int]], like: Sequence[Any]) -> tuple:
+def _unflatten(flats: Sequence[Any], buckets: List[List[int]],
+               like: Sequence[Any]) -> Tuple[Any, ...]:
     """Views of ``flats`` (one per bucket) shaped like ``like``, in ``like``'s order."""
-    views: list = [None] * len(like)
+    views: List[Any] = [None] * len(like)
     for flat, bucket in zip(flats, buckets):
         for j, view in zip(bucket, views_of(flat, [like[j] for j in bucket])):
             views[j] = view
@@ -292,7 +293,8 @@ def reduce_add_coalesced(inputs: Sequence[Sequence[Any]], destination: Any = Non
     return _unflatten(sum_arrays(lib, jobs, tuple(places), target), buckets, first)
 
 
-def parallel_apply(fn: Union[Callable, Sequence[Callable]], inputs: Sequence[Any],
+def parallel_apply(fn: Union[Callable[..., Any], Sequence[Callable[..., Any]]],
+                   inputs: Sequence[Any],
                    devices: Optional[Sequence[Any]] = None, *,
                    device_module: Any = None) -> List[Any]:
     """Call ``fn`` once per input, on the input's device and that device's own stream.
@@ -347,11 +349,12 @@ def parallel_apply(fn: Union[Callable, Sequence[Callable]], inputs: Sequence[Any
         if order is None:
             outputs.append(f(*args))
             continue
-        stream = keep(("stream", lib.xp, place), lambda: _new_stream(lib, place))
-        order.fork(place, stream, {place})
-        with lib.on(place), stream:
+        gpu = cast(int, place)   # the places are all GPUs where there is an order
+        stream = keep(("stream", lib.xp, gpu), lambda: _new_stream(lib, gpu))
+        order.fork(gpu, stream, {gpu})
+        with lib.on(gpu), stream:
             outputs.append(f(*args))
-        order.join(place, stream, {place})
+        order.join(gpu, stream, {gpu})
     return outputs
 
 

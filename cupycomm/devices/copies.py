@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 
 from ..backends import local
@@ -150,13 +150,14 @@ def move(lib: DeviceCall, copies: Sequence[Copy],
             c.dst[index + (slice(c.dst_start, c.dst_start + c.count),)] = \
                 c.src[index + (slice(c.src_start, c.src_start + c.count),)]
         else:
-            batches.setdefault(c.src_place if c.dst_place == HOST else c.dst_place, []).append(c)
+            gpu = cast(int, c.src_place if c.dst_place == HOST else c.dst_place)
+            batches.setdefault(gpu, []).append(c)
     if not batches:
         return
     order = Order(lib)
     for device, batch in batches.items():
         stream = (streams or {}).get(device) or order.current(device)
-        sources = {c.src_place for c in batch} - {HOST}
+        sources = cast(Set[int], {c.src_place for c in batch} - {HOST})
         for peer in sources - {device}:
             keep(("peer", lib.xp, device, peer), lambda: _peer_access(lib, device, peer))
         order.fork(device, stream, sources | {device})   # new memory: freed on the current stream
@@ -183,9 +184,8 @@ def broadcast_arrays(lib: DeviceCall, sources: List[Any], source: Place, targets
     else:   # NCCL broadcasts from a member: upload to the first one
         move(lib, [whole(out, targets[0], a, source) for out, a in zip(outs[0], sources)])
         root, sends = 0, outs[0]
-    order = Order(lib)
-    local.broadcast(lib.name, lib.xp, targets, [order.current(t) for t in targets], root, sends,
-                    outs)
+    order, gpus = Order(lib), cast(Tuple[int, ...], targets)   # HOST is not among them here
+    local.broadcast(lib.name, lib.xp, gpus, [order.current(t) for t in gpus], root, sends, outs)
     return outs
 
 
@@ -199,8 +199,8 @@ def sum_arrays(lib: DeviceCall, jobs: List[List[Any]], places: Tuple[Place, ...]
     by_nccl = [j for j, job in enumerate(jobs)
                if home != HOST and len(places) > 1 and local.can_sum(job[0].dtype)]
     if by_nccl:
-        order = Order(lib)
-        local.reduce_sum(lib.name, lib.xp, places, [order.current(p) for p in places], root,
+        order, gpus = Order(lib), cast(Tuple[int, ...], places)   # NCCL sums on GPUs only
+        local.reduce_sum(lib.name, lib.xp, gpus, [order.current(p) for p in gpus], root,
                          [jobs[j] for j in by_nccl], [results[j] for j in by_nccl])
     by_adding = [j for j in range(len(jobs)) if j not in by_nccl]
     if by_adding:

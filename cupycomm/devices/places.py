@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -238,7 +238,8 @@ class DeviceCall:
         """(path, place) of every array inside ``tree`` (nested tuples, lists, dicts)."""
         found: List[Tuple[str, Place]] = []
 
-        map_arrays(tree, lambda a, path: found.append((path_text(arg, path), self.where(a))),
+        map_arrays(tree,   # an array's place is never None: the second function says so
+                   lambda a, path: found.append((path_text(arg, path), cast(Place, self.where(a)))),
                    lambda a: self.where(a) is not None)
         return found
 

@@ -40,7 +40,7 @@ import socket
 import sys
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 from .. import _env
 from .._bootstrap import node_name
@@ -93,11 +93,11 @@ class Recorder:
         ``at`` blocked in ``busy`` (None: none); write this rank's file if a wait has gone
         on DUMP_AFTER s. Also answers the report signal (see :func:`install_signal`)."""
         wall = self._stamp(seq, busy, at)
-        if busy is not None and wall - self._wait[2] > DUMP_AFTER \
+        if busy is not None and wall - cast(Tuple[Any, ...], self._wait)[2] > DUMP_AFTER \
                 and wall - self._dumped > DUMP_EVERY:
             self.dump()
         if _signalled():
-            report_all(signal.Signals(_signal).name)
+            report_all(signal.Signals(cast(int, _signal)).name)   # set: it was signalled
 
     def _stamp(self, seq: int, busy: Optional[str], at: int) -> float:
         wall = time.time()
