@@ -2,6 +2,8 @@
 calls and the environment variables (``python -m cupycomm._docs`` prints them)."""
 from __future__ import annotations
 
+from typing import Type, Union
+
 import numpy as np
 
 from ._collectives import CALLS, INTERNAL
@@ -11,7 +13,7 @@ from .backends.mpi import MPIBackend
 from .backends.nccl import NcclBackend
 
 
-def _backend_cell(backend: type, dtype: np.dtype) -> str:
+def _backend_cell(backend: Union[Type[MPIBackend], Type[NcclBackend]], dtype: np.dtype) -> str:
     specs = backend.reductions.get(dtype)
     if specs is None:
         return "moves only"

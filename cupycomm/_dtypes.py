@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -76,12 +76,14 @@ def _mpi(name: str) -> Optional[MPI.Datatype]:
     return None if datatype == MPI.DATATYPE_NULL else datatype
 
 
-def _row(dtype, ops, mpi_name, nccl_type, nccl_count=1, why_not=""):
+def _row(dtype: Any, ops: Union[Sequence[ReduceOp], Mapping[ReduceOp, ReduceOp]],
+         mpi_name: str, nccl_type: Optional[int], nccl_count: int = 1,
+         why_not: str = "") -> DtypeRow:
     """A row. ``carrier``: the unsigned integer dtype of the same size, which holds the
     dtype's bits wherever a library cannot take the dtype itself (NumPy exports no buffer
     of ml_dtypes' bfloat16; an MPI without a float16 type reduces it with an op of ours)."""
     dtype = np.dtype(dtype)
-    mapping = ops if isinstance(ops, dict) else {op: op for op in ops}
+    mapping = dict(ops) if isinstance(ops, Mapping) else {op: op for op in ops}
     carrier = np.dtype(f"u{dtype.itemsize}") if dtype.itemsize in (1, 2, 4, 8) else None
     return DtypeRow(dtype, mapping, _mpi(mpi_name), nccl_type, nccl_count, why_not, carrier)
 
@@ -119,7 +121,7 @@ DTYPES: Mapping[np.dtype, DtypeRow] = {row.dtype: row for row in _ROWS}
 whether an array can be communicated."""
 
 
-def op_error(row: DtypeRow, op) -> str:
+def op_error(row: DtypeRow, op: Any) -> str:
     """Why ``op`` cannot reduce ``row``'s dtype: an unknown op, or one the table denies."""
     try:
         known = ReduceOp(op)
@@ -127,4 +129,3 @@ def op_error(row: DtypeRow, op) -> str:
         names = ", ".join(repr(o.value) for o in ReduceOp)
         return f"op must be one of {names} or a ReduceOp, got {op!r}"
     return f"op={known.value!r} is not defined for {row.dtype} ({row.why_not})"
-

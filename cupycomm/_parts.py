@@ -3,7 +3,7 @@ axis 0, and views of a flat buffer shaped as the arrays packed into it."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 __all__ = ["offsets", "JoinedShapes", "PartShapes", "views_of"]
 
@@ -25,6 +25,7 @@ class _ShapeTable(dict):
     program whose shapes keep changing does not grow. Each table defines ``compute(shape)``."""
 
     KEEP = 1024
+    compute: Callable[[tuple], Any]   # each table's own method
 
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -33,7 +34,7 @@ class _ShapeTable(dict):
     def __missing__(self, shape: tuple) -> Any:
         if len(self) >= self.KEEP:
             self.clear()
-        value = self[shape] = self.compute(shape)   # each table's own
+        value = self[shape] = self.compute(shape)
         return value
 
 

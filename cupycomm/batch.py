@@ -11,7 +11,7 @@ calls, not both. Each call inside returns a Work that completes with the block.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 __all__ = ["Batch"]
 
@@ -23,7 +23,7 @@ class Batch:
         self.rank = rank
         self.kind: Optional[str] = None   # "host" or "device", set by the first call
         self.works: List[Any] = []        # the Work of each call, in the order of the calls
-        self.calls: List[tuple] = []      # what the backend issues for each call at the end
+        self.calls: List[Tuple[Any, ...]] = []   # what the backend issues for each call at the end
         self.caller: Any = None           # device: the stream the block's calls order after
 
     def claim(self, kind: str, label: str) -> None:

@@ -46,7 +46,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _bootstrap, _env, coalesce, objects
-from .faults import abort, debug as _debug, endings, flight
+from .faults import abort, debug as _debug, flight
 from ._dtypes import ReduceOp
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
@@ -57,6 +57,7 @@ from .faults.watchdog import Tracker, unwatch, watch
 from .batch import Batch
 from .backends.mpi import MPIBackend, PreparedCalls
 from .work import Work
+from .run import exit_records
 
 __all__ = ["Communicator", "init", "DEFAULT_TIMEOUT"]
 
@@ -854,7 +855,7 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
         debug = _env.read("CUPYCOMM_DEBUG")
     if abort.abort_enabled(abort_on_exception):
         abort.install_abort_handler()
-    endings.start()   # under python -m cupycomm.run: this rank's end will be known
+    exit_records.start()   # under python -m cupycomm.run: this rank's end will be known
     flight.install_signal()
     parent = _bootstrap.world() if mpi_comm is None else mpi_comm
     if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:

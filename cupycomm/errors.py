@@ -7,6 +7,8 @@ a collective (debug mode), a failed NCCL call, a peer process that is gone.
 """
 from __future__ import annotations
 
+from typing import Tuple
+
 __all__ = ["CommClosedError", "CollectiveTimeout", "CollectiveMismatch", "NcclError", "PeerLost"]
 
 
@@ -22,7 +24,7 @@ class CollectiveTimeout(TimeoutError):
     """
 
     def __init__(self, message: str, *, collective: str = "", seq: int = -1,
-                 missing: tuple = ()) -> None:
+                 missing: Tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.collective = collective
         self.seq = seq

@@ -21,8 +21,8 @@ The file also holds the versions (cupycomm, Python, NumPy, mpi4py, the MPI libra
 launcher, CuPy, the CUDA driver and runtime, NCCL, torch), the ``NCCL_*``/``CUDA_*``/
 ``CUPYCOMM_*`` variables, and the topology (nodes, GPUs per node, ranks per GPU, and per rank
 its host and GPU), and notes: where ranks share a GPU without setting what NCCL needs for
-that (``NCCL_MULTI_RANK_GPU_ENABLE=1`` or a ``NCCL_HOSTID`` each). Without a GPU the report says so plainly (``gpu.found`` false, and why)
-and holds the host lines, versions and topology.
+that (``NCCL_MULTI_RANK_GPU_ENABLE=1`` or a ``NCCL_HOSTID`` each). Without a GPU the report
+says so plainly (``gpu.found`` false, and why) and holds the host lines, versions and topology.
 
 Exit status of :func:`run` (and of the command): :data:`EXIT_PASSED` (0) every line passed or
 was not run for a reason given; :data:`EXIT_FAILED` (1) a line failed on some rank;
@@ -77,7 +77,7 @@ def _everywhere(comm: cupycomm.Communicator, flag: bool) -> bool:
     return bool(comm.mpi_comm.allreduce(bool(flag), op=MPI.LAND))
 
 
-# -- versions and topology --------------------------------------------------------------------------
+# -- versions and topology -------------------------------------------------------------------------
 def _cupy(device_module: Any) -> Tuple[Any, str]:
     """The device module and ``""``, or None and why CuPy is not there."""
     if device_module is not None:
@@ -171,13 +171,13 @@ def _sharing_notes(topology: Dict[str, Any]) -> List[str]:
     return notes
 
 
-# -- the device features ------------------------------------------------------------------------------
+# -- the device features ---------------------------------------------------------------------------
 def _feature_checks(comm: cupycomm.Communicator, xp: Any, module: Any,
                     real_cupy: bool) -> List[Tuple[str, Check]]:
     """(name, check) of each device feature beyond the plain collectives."""
     n, r = comm.size, comm.rank
     mine = np.arange(8, dtype=np.float32) + r
-    total = sum(np.arange(8, dtype=np.float32) + j for j in range(n))
+    total = sum((np.arange(8, dtype=np.float32) + j for j in range(n)), np.zeros(8, np.float32))
 
     def equal(got: Any, expected: np.ndarray) -> bool:
         return np.array_equal(xp.asnumpy(got), expected)

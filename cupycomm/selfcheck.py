@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
-from . import launchers
+from .run import launchers
 from ._bootstrap import node_name
 from .backends.nccl import library_version
 
@@ -55,7 +55,7 @@ class Verdict:
 
 def mpi_environment() -> Dict[str, str]:
     """The MPI library (``MPI.Get_library_version``, its first line, and its kind) and the
-    launcher of this environment (:func:`cupycomm.launchers.find`: kind, path, version).
+    launcher of this environment (:func:`cupycomm.run.launchers.find`: kind, path, version).
     Not collective; the launcher is asked by running it with ``--version``.
 
     Example::
@@ -200,12 +200,12 @@ def verdicts(comm: cupycomm.Communicator, checks: Sequence[Tuple[str, Check]],
         everyone = comm.mpi_comm.allgather((outcome, detail))
         failed_on = tuple(j for j, (o, _) in enumerate(everyone) if o == "fail")
         if failed_on:
-            agreed, why = "fail", f"rank {failed_on[0]}: {everyone[failed_on[0]][1]}"
+            agreed, reason = "fail", f"rank {failed_on[0]}: {everyone[failed_on[0]][1]}"
         elif any(o == "not run" for o, _ in everyone):
-            agreed, why = "not run", next(d for o, d in everyone if o == "not run")
+            agreed, reason = "not run", next(d for o, d in everyone if o == "not run")
         else:
-            agreed, why = "pass", ""
-        yield Verdict(name, agreed, why, failed_on, seconds)
+            agreed, reason = "pass", ""
+        yield Verdict(name, agreed, reason, failed_on, seconds)
 
 
 def _environment(comm: cupycomm.Communicator) -> List[str]:
@@ -226,7 +226,8 @@ def _run_checks(comm: cupycomm.Communicator, backend: str, xp: Any, say) -> bool
         lambda: xp.cuda.get_current_stream().synchronize())
     all_passed = True
     for v in verdicts(comm, collective_checks(comm, xp), synchronize):
-        verdict = "ok" if v.verdict == "pass" else f"FAILED on ranks {list(v.failed_on)}: {v.detail}"
+        verdict = ("ok" if v.verdict == "pass"
+                   else f"FAILED on ranks {list(v.failed_on)}: {v.detail}")
         say(f"  {backend:6s} {v.name:18s} {v.seconds * 1e3:8.2f} ms  {verdict}")
         all_passed = all_passed and v.verdict == "pass"
     return all_passed

@@ -28,7 +28,7 @@ REDUCERS: dict = {
 }
 
 
-class Lib:
+class ArrayLibrary:
     """One array library: makes arrays from NumPy data, reads them back, builds communicators."""
 
     def __init__(self, name: str, module: Any, to_numpy: Callable[[Any], np.ndarray],
@@ -63,7 +63,7 @@ class Lib:
         return self.name
 
 
-class TorchLib(Lib):
+class TorchLibrary(ArrayLibrary):
     """torch CPU tensors: made from NumPy data without going through cupycomm, read back
     the same way (bfloat16 through its 16-bit words, as NumPy has no bfloat16 of its own)."""
 
@@ -99,24 +99,24 @@ class TorchLib(Lib):
         return a.numpy()
 
 
-def _torch_lib() -> Optional[Lib]:
+def _torch_lib() -> Optional[ArrayLibrary]:
     try:
         import torch
     except ImportError:
         return None
-    return TorchLib(torch)
+    return TorchLibrary(torch)
 
 
-def _gpu_lib() -> Optional[Lib]:
+def _gpu_lib() -> Optional[ArrayLibrary]:
     cupy = _bootstrap.import_cupy()
     if cupy is None or _bootstrap.choose_device(0, cupy) is None:
         return None
-    return Lib("gpu", cupy, cupy.asnumpy, device_module=cupy, is_device=True)
+    return ArrayLibrary("gpu", cupy, cupy.asnumpy, device_module=cupy, is_device=True)
 
 
 # Host communicators know the stand-in's array type too, so that mixing is detected.
-HOST = Lib("host", np, np.asarray, device_module=standin, is_device=False)
-STANDIN = Lib("standin", standin, standin.asnumpy, device_module=standin,
+HOST = ArrayLibrary("host", np, np.asarray, device_module=standin, is_device=False)
+STANDIN = ArrayLibrary("standin", standin, standin.asnumpy, device_module=standin,
               is_device=True)
 TORCH = _torch_lib()
 GPU = _gpu_lib()
@@ -169,7 +169,7 @@ def reduce_reference(stacked: np.ndarray, op: str, size: int) -> np.ndarray:
     return REDUCERS[op](stacked)
 
 
-def assert_equal(lib: Lib, actual: Any, expected: np.ndarray, op: str = "sum") -> None:
+def assert_equal(lib: ArrayLibrary, actual: Any, expected: np.ndarray, op: str = "sum") -> None:
     got = lib.numpy(actual)
     assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
     assert got.shape == expected.shape, (got.shape, expected.shape)

@@ -9,7 +9,7 @@
 #   RANKS="1 3" TESTS="tests/test_faults.py" bash tests/run.sh   # some sizes, some files
 #
 # The MPI is the environment's: $MPIEXEC, else the active environment's mpiexec or the one on
-# PATH (cupycomm.launchers finds it and adds the options it needs, e.g. Open MPI's
+# PATH (cupycomm.run.launchers finds it and adds the options it needs, e.g. Open MPI's
 # --oversubscribe past the cores). Only where there is none does this install MPICH's wheel
 # (the mpich extra); an MPI that is there is never replaced.
 set -euo pipefail
@@ -43,7 +43,7 @@ if ! installed || ! has_mpi; then
     has_mpi || extras=$extras,mpich
     python -m pip install -q -e ".[$extras]"
 fi
-python -m cupycomm.launchers   # which launcher the passes use, and its version
+python -m cupycomm.run.launchers   # which launcher the passes use, and its version
 
 status=0
 run() {

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from cupycomm.testing import standin
 from arrays import GPU, GPU_SKIP_REASON
-from cupycomm import launchers
+from cupycomm.run import launchers
 from cupycomm.bench import main
 from cupycomm.bench.cli import UsageError, parse_args, parse_size, size_series
 from cupycomm.bench.collectives import (ROWS, TABLE, Case, count_wrong, distinct_sizes,
@@ -667,7 +667,7 @@ def test_run_matrix_dry_run_plans_every_part_on_1_to_4_ranks():
     assert done.returncode == 0, done.stderr
     for n in (1, 2, 3, 4):
         # no venv active, none on PATH: the commands name .venv's launcher (with the options
-        # cupycomm.launchers gives it) and interpreter
+        # cupycomm.run.launchers gives it) and interpreter
         launcher = rf"^\+ \S*\.venv/bin/mpiexec -n {n}( \S+)* \.venv/bin/python "
         for part, command, stem in [
                 ("host", r"-m cupycomm\.bench -b 8 -e 64M .*--backend host --compare", f"host_n{n}"),

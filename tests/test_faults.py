@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from cupycomm import launchers
+from cupycomm.run import launchers
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
 
 pytestmark = pytest.mark.mpi(max_size=1)

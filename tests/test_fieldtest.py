@@ -12,7 +12,8 @@ from mpi4py import MPI
 
 from cupycomm.testing import standin as sd
 from arrays import STANDIN
-from cupycomm import fieldtest, launchers, selfcheck
+from cupycomm import fieldtest, selfcheck
+from cupycomm.run import launchers
 from cupycomm.__main__ import main
 from cupycomm.testing import launch_environment, run_mpiexec
 

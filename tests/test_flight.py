@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import cupycomm
-from cupycomm import launchers
+from cupycomm.run import launchers
 from cupycomm.faults import flight
 from cupycomm.testing import no_auto_cleanup, run_mpiexec
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cupycomm import launchers
+from cupycomm.run import launchers
 from cupycomm.testing import launch_environment, no_auto_cleanup, run_mpiexec
 from cupycomm.work import poll_until
 

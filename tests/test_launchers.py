@@ -1,4 +1,4 @@
-"""cupycomm.launchers: naming a launcher, the argv of a job, the environment of a nested job.
+"""cupycomm.run.launchers: naming a launcher, the argv of a job, the environment of a nested job.
 
 The table's rows are checked against fake launchers (each prints what the real one prints to
 --version), and the environment rules against the launcher of this environment itself: a
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from cupycomm import launchers
-from cupycomm.launchers import Launcher, find, library_kind
+from cupycomm.run import launchers
+from cupycomm.run.launchers import Launcher, find, library_kind
 from cupycomm.testing import launch_environment, run_mpiexec
 
 VERSIONS = {   # what each launcher prints to --version (first lines, as measured)
@@ -178,7 +178,7 @@ def test_library_kind_names_each_mpi():
 @pytest.mark.parametrize("kind", ["hydra", "openmpi"])
 def test_the_command_line_prints_the_argv_shell_quoted(tmp_path, kind):
     exe = fake(tmp_path, "mpi exec", VERSIONS[kind])
-    run = [sys.executable, "-m", "cupycomm.launchers", "--mpiexec", exe]
+    run = [sys.executable, "-m", "cupycomm.run.launchers", "--mpiexec", exe]
     # a fresh interpreter imports cupycomm, and so starts MPI: as a job of its own, not as a
     # rank of the job this test may run in
     said = subprocess.run(run + ["-n", "64", "--leave-cleanup-to-cupycomm"],
@@ -194,6 +194,6 @@ def test_the_command_line_prints_the_argv_shell_quoted(tmp_path, kind):
 
 def test_the_command_line_without_a_launcher_fails_with_the_advice(tmp_path):
     env = launch_environment({"PATH": str(tmp_path), "MPIEXEC": str(tmp_path / "none")})
-    done = subprocess.run([sys.executable, "-m", "cupycomm.launchers", "-n", "2"], env=env,
+    done = subprocess.run([sys.executable, "-m", "cupycomm.run.launchers", "-n", "2"], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 2 and "is not an executable file" in done.stderr

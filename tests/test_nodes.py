@@ -14,7 +14,7 @@ import cupycomm
 from cupycomm import _bootstrap
 from cupycomm.faults import flight
 from cupycomm.faults.board import RANK
-from cupycomm.launchers import find
+from cupycomm.run.launchers import find
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
 
 TESTS = Path(__file__).resolve().parent

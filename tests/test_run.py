@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cupycomm import launchers
-from cupycomm.faults import launch
+from cupycomm.run import launchers
+from cupycomm.run import job as launch
 from cupycomm.faults.board import alive
 from cupycomm.testing import SIMULATES_NODES, launch_environment, run_job, simulated_nodes
 from cupycomm.work import poll_until
@@ -335,7 +335,7 @@ def test_a_program_a_rank_starts_does_not_record_over_the_ranks(tmp_path):
     script.write_text(textwrap.dedent("""
         import os, subprocess, sys, time
         import cupycomm
-        from cupycomm import launchers
+        from cupycomm.run import launchers
         comm = cupycomm.init()
         if comm.rank == 0:   # a job of its own, given cupycomm.run's variables all the same
             env = dict(launchers.nested_environment(os.environ),

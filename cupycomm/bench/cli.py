@@ -68,11 +68,12 @@ def _size(text: str) -> int:
 
 
 def _dtype(text: str) -> np.dtype:
+    dtype: Optional[np.dtype]
     try:
         dtype = np.dtype(_NCCL_TEST_TYPES.get(text, text))
     except TypeError:
         dtype = None
-    if dtype not in DTYPES:
+    if dtype is None or dtype not in DTYPES:
         names = ", ".join(str(d) for d in DTYPES)
         raise argparse.ArgumentTypeError(f"dtype {text!r} is not one of cupycomm's ({names}; "
                                          f"nccl-tests' half, float, double too)")

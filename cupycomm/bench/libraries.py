@@ -2,10 +2,10 @@
 
 Host backend: cupycomm on NumPy arrays, and with ``--compare`` raw mpi4py on the very MPI
 communicator cupycomm uses (``comm.mpi_comm``), given the arrays as a user gives them (a
-bfloat16 array viewed as uint16; see :mod:`cupycomm.bench.collectives`). Device backend: cupycomm on device arrays, and
-with ``--compare`` a raw ``NcclCommunicator`` of the same device module, then
-``cupyx.distributed`` and ``torch.distributed`` where installed (real CuPy only). A device module
-loaded from a file is a stand-in: its implementations are labelled so.
+bfloat16 array viewed as uint16; see :mod:`cupycomm.bench.collectives`). Device backend:
+cupycomm on device arrays, and with ``--compare`` a raw ``NcclCommunicator`` of the same device
+module, then ``cupyx.distributed`` and ``torch.distributed`` where installed (real CuPy only). A
+device module loaded from a file is a stand-in: its implementations are labelled so.
 """
 from __future__ import annotations
 
@@ -161,9 +161,12 @@ def load_device_module(spec: str) -> Any:
         raise FileNotFoundError(f"--device-module: no file {spec}")
     resolved = path.resolve()
     for module in list(sys.modules.values()):
-        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == resolved:
+        file = getattr(module, "__file__", None)
+        if file and Path(file).resolve() == resolved:
             return module
     module_spec = importlib.util.spec_from_file_location(path.stem, resolved)
+    if module_spec is None or module_spec.loader is None:   # a .py file always has both
+        raise ImportError(f"--device-module: cannot load {spec}")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[path.stem] = module
     module_spec.loader.exec_module(module)

@@ -39,7 +39,7 @@ def plot(path: str, rows: Sequence[Row], title: str) -> None:
         raise RuntimeError("--plot needs matplotlib: pip install 'cupycomm[plot]'") from None
     series = _series(rows)
     figure = Figure(figsize=(10, 2.6 * max(1, len(series))), dpi=72, layout="constrained")
-    FigureCanvasAgg(figure)
+    canvas = FigureCanvasAgg(figure)
     axes = figure.subplots(max(1, len(series)), 2, squeeze=False)
     colors = {impl: f"C{k}" for k, impl in enumerate(dict.fromkeys(r.impl for r in rows))}
     for (time_ax, bw_ax), (collective, lines) in zip(axes, series.items()):
@@ -56,7 +56,6 @@ def plot(path: str, rows: Sequence[Row], title: str) -> None:
             ax.set_xlabel("size (bytes)")
             ax.grid(True, which="major", alpha=0.3)
     figure.suptitle(title, fontsize="small")
-    canvas = figure.canvas
     canvas.draw()
     image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba())
     with replacing(path, "wb") as out:

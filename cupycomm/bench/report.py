@@ -20,7 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -142,8 +142,8 @@ def format_table(rows: Sequence[Row], compare: bool) -> List[str]:
         first = next(iter(by_mode.values()))
         texts = [c.cell(first) for c in _BASE]
         for mode in (OUT_OF_PLACE, IN_PLACE):
-            row = by_mode.get(mode)
-            texts += [c.cell(row) if row else "-" if c is mode_columns[0] else ""
+            found = by_mode.get(mode)
+            texts += [c.cell(found) if found else "-" if c is mode_columns[0] else ""
                       for c in mode_columns]
         lines.append(line(texts))
     return lines
@@ -179,9 +179,9 @@ def versus(rows: Iterable[Row], threshold: int = SUMMARY_FROM) -> List[Versus]:
     out = []
     for (collective, baseline), group in pairs.items():
         smallest = min((r.size for r in group if r.size > 0), default=0)
-        added = max(r.added_us for r in group if r.size == smallest)
+        added = max(cast(float, r.added_us) for r in group if r.size == smallest)   # has a ratio
         large = [r for r in group if r.size >= threshold]
-        worst = max(large, key=lambda r: r.ratio) if large else None
+        worst = max(large, key=lambda r: cast(float, r.ratio)) if large else None
         out.append(Versus(collective, baseline, smallest, added,
                           worst.ratio if worst else None,
                           f"{human_size(worst.size)} {worst.mode}" if worst else ""))

@@ -33,9 +33,9 @@ involves a GPU (the test suite passes its host-memory stand-in).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union, cast
 
-from .places import HOST, Lib, Place, brief, describe, with_length
+from .places import HOST, DeviceCall, Place, brief, describe, with_length
 from .._parts import offsets, views_of
 from ..coalesce import runs_by_dtype
 from .copies import (Copy, Order, broadcast_arrays, keep, move, sum_arrays, whole)
@@ -48,7 +48,7 @@ BUFFER_BYTES = 10 * 2 ** 20
 
 
 # -- coalescing -----------------------------------------------------------------------------------
-def _flatten(lib: Lib, arrays: Sequence[Any], place: Place) -> Any:
+def _flatten(lib: DeviceCall, arrays: Sequence[Any], place: Place) -> Any:
     """One 1-d array at ``place`` holding ``arrays`` (of one dtype) one after another."""
     sizes = [a.size for a in arrays]
     flat = lib.empty(place, (sum(sizes),), arrays[0].dtype)
@@ -57,9 +57,10 @@ def _flatten(lib: Lib, arrays: Sequence[Any], place: Place) -> Any:
     return flat
 
 
-def _unflatten(flats: Sequence[Any], buckets: List[List[int]], like: Sequence[Any]) -> tuple:
+def _unflatten(flats: Sequence[Any], buckets: List[List[int]],
+               like: Sequence[Any]) -> Tuple[Any, ...]:
     """Views of ``flats`` (one per bucket) shaped like ``like``, in ``like``'s order."""
-    views: list = [None] * len(like)
+    views: List[Any] = [None] * len(like)
     for flat, bucket in zip(flats, buckets):
         for j, view in zip(bucket, views_of(flat, [like[j] for j in bucket])):
             views[j] = view
@@ -87,7 +88,7 @@ def broadcast(x: Any, devices: Optional[Sequence[Any]] = None, *,
         x = cupy.arange(3)                           # on device 0
         a, b = devices.broadcast(x, devices=[0, 1])  # a on device 0, b on device 1: [0, 1, 2]
     """
-    lib = Lib("broadcast", device_module)
+    lib = DeviceCall("broadcast", device_module)
     source = lib.place("x", x)
     lib.one_of("devices", devices, "out", out)
     if out is None:
@@ -111,7 +112,7 @@ def broadcast_coalesced(arrays: Sequence[Any], devices: Sequence[Any], *,
         w, b = cupy.ones((2, 2)), cupy.zeros(2)      # on device 0
         (w0, b0), (w1, b1) = devices.broadcast_coalesced([w, b], devices=[0, 1])
     """
-    lib = Lib("broadcast_coalesced", device_module)
+    lib = DeviceCall("broadcast_coalesced", device_module)
     arrays = lib.sequence("arrays", arrays, empty=True)
     places = [lib.place(f"arrays[{i}]", a) for i, a in enumerate(arrays)]
     for i, p in enumerate(places):
@@ -157,7 +158,7 @@ def scatter(x: Any, devices: Optional[Sequence[Any]] = None,
         x = numpy.arange(10).reshape(5, 2)
         a, b = devices.scatter(x, devices=[0, 1])   # a: rows 0..2 on device 0, b: rows 3..4 on 1
     """
-    lib = Lib("scatter", device_module)
+    lib = DeviceCall("scatter", device_module)
     source = lib.place("x", x)
     axis = lib.axis("x", x, axis)
     lib.one_of("devices", devices, "out", out)
@@ -200,7 +201,7 @@ def gather(arrays: Sequence[Any], axis: int = 0, destination: Any = None, *, out
         parts = [cupy.arange(2), cupy.arange(3)]    # say on devices 0 and 1
         devices.gather(parts, destination="cpu")     # array([0, 1, 0, 1, 2])
     """
-    lib = Lib("gather", device_module)
+    lib = DeviceCall("gather", device_module)
     arrays = lib.sequence("arrays", arrays)
     places = [lib.place(f"arrays[{i}]", a) for i, a in enumerate(arrays)]
     first = arrays[0]
@@ -240,7 +241,7 @@ def reduce_add(inputs: Sequence[Any], destination: Any = None, *,
         xs = [cupy.full(2, 1.0), cupy.full(2, 2.0)]   # on devices 0 and 1
         devices.reduce_add(xs, destination=0)          # array([3., 3.]) on device 0
     """
-    lib = Lib("reduce_add", device_module)
+    lib = DeviceCall("reduce_add", device_module)
     inputs = lib.sequence("inputs", inputs)
     places = tuple(lib.place(f"input {i}", a) for i, a in enumerate(inputs))
     for i, a in enumerate(inputs[1:], 1):
@@ -264,7 +265,7 @@ def reduce_add_coalesced(inputs: Sequence[Sequence[Any]], destination: Any = Non
         grads = [[w0, b0], [w1, b1]]                   # w0, b0 on device 0; w1, b1 on device 1
         w, b = devices.reduce_add_coalesced(grads, destination=0)
     """
-    lib = Lib("reduce_add_coalesced", device_module)
+    lib = DeviceCall("reduce_add_coalesced", device_module)
     rows = [lib.sequence(f"inputs[{i}]", row, empty=True)
             for i, row in enumerate(lib.sequence("inputs", inputs))]
     first = rows[0]
@@ -292,7 +293,8 @@ def reduce_add_coalesced(inputs: Sequence[Sequence[Any]], destination: Any = Non
     return _unflatten(sum_arrays(lib, jobs, tuple(places), target), buckets, first)
 
 
-def parallel_apply(fn: Union[Callable, Sequence[Callable]], inputs: Sequence[Any],
+def parallel_apply(fn: Union[Callable[..., Any], Sequence[Callable[..., Any]]],
+                   inputs: Sequence[Any],
                    devices: Optional[Sequence[Any]] = None, *,
                    device_module: Any = None) -> List[Any]:
     """Call ``fn`` once per input, on the input's device and that device's own stream.
@@ -318,7 +320,7 @@ def parallel_apply(fn: Union[Callable, Sequence[Callable]], inputs: Sequence[Any
         parts = devices.scatter(x, devices=[0, 1])
         outs = devices.parallel_apply(lambda a: a * 2, parts)
     """
-    lib = Lib("parallel_apply", device_module)
+    lib = DeviceCall("parallel_apply", device_module)
     inputs = lib.sequence("inputs", inputs)
     fns = [fn] * len(inputs) if callable(fn) else lib.sequence("fn", fn)
     if len(fns) != len(inputs) or not all(callable(f) for f in fns):
@@ -347,15 +349,16 @@ def parallel_apply(fn: Union[Callable, Sequence[Callable]], inputs: Sequence[Any
         if order is None:
             outputs.append(f(*args))
             continue
-        stream = keep(("stream", lib.xp, place), lambda: _new_stream(lib, place))
-        order.fork(place, stream, {place})
-        with lib.on(place), stream:
+        gpu = cast(int, place)   # the places are all GPUs where there is an order
+        stream = keep(("stream", lib.xp, gpu), lambda: _new_stream(lib, gpu))
+        order.fork(gpu, stream, {gpu})
+        with lib.on(gpu), stream:
             outputs.append(f(*args))
-        order.join(place, stream, {place})
+        order.join(gpu, stream, {gpu})
     return outputs
 
 
-def _new_stream(lib: Lib, device: int) -> Any:
+def _new_stream(lib: DeviceCall, device: int) -> Any:
     with lib.on(device):
         return lib.xp.cuda.Stream(non_blocking=True)
 
@@ -367,4 +370,4 @@ def count(*, device_module: Any = None) -> int:
 
         places = list(range(devices.count())) or ["cpu"] * 2
     """
-    return Lib("count", device_module).gpu_count()
+    return DeviceCall("count", device_module).gpu_count()

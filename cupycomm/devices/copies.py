@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 
 from ..backends import local
-from .places import HOST, Lib, Place
+from .places import HOST, DeviceCall, Place
 
 __all__ = ["keep", "Order", "Copy", "whole", "move", "broadcast_arrays", "sum_arrays"]
 
@@ -30,7 +30,7 @@ def keep(key: tuple, make: Callable[[], Any]) -> Any:
 class Order:
     """The events of one call, between its devices' current streams and the streams it uses."""
 
-    def __init__(self, lib: Lib) -> None:
+    def __init__(self, lib: DeviceCall) -> None:
         self._cuda = lib.xp.cuda
         self._current: Dict[int, Any] = {}
         self._ready: Dict[int, Any] = {}
@@ -121,7 +121,7 @@ def _memcpy(runtime: Any, c: Copy, stream: Any) -> None:
 PEER_ACCESS_ALREADY_ENABLED = 704   # cudaErrorPeerAccessAlreadyEnabled (CUDA's driver_types.h)
 
 
-def _peer_access(lib: Lib, device: int, peer: int) -> bool:
+def _peer_access(lib: DeviceCall, device: int, peer: int) -> bool:
     """Let ``device`` reach ``peer``'s memory directly where the hardware can (otherwise CUDA
     stages peer copies through the host), tolerating access that something else enabled
     first. (Not with CuPy's private ``runtime._deviceEnsurePeerAccess``: once any module runs
@@ -139,7 +139,8 @@ def _peer_access(lib: Lib, device: int, peer: int) -> bool:
     return True
 
 
-def move(lib: Lib, copies: Sequence[Copy], streams: Optional[Dict[Place, Any]] = None) -> None:
+def move(lib: DeviceCall, copies: Sequence[Copy],
+         streams: Optional[Dict[Place, Any]] = None) -> None:
     """Run ``copies``: host ones at once, the others each on the stream of its GPU end (the
     destination's, else the source's), ordered by events (module docstring)."""
     batches: Dict[int, List[Copy]] = {}
@@ -149,13 +150,14 @@ def move(lib: Lib, copies: Sequence[Copy], streams: Optional[Dict[Place, Any]] =
             c.dst[index + (slice(c.dst_start, c.dst_start + c.count),)] = \
                 c.src[index + (slice(c.src_start, c.src_start + c.count),)]
         else:
-            batches.setdefault(c.src_place if c.dst_place == HOST else c.dst_place, []).append(c)
+            gpu = cast(int, c.src_place if c.dst_place == HOST else c.dst_place)
+            batches.setdefault(gpu, []).append(c)
     if not batches:
         return
     order = Order(lib)
     for device, batch in batches.items():
         stream = (streams or {}).get(device) or order.current(device)
-        sources = {c.src_place for c in batch} - {HOST}
+        sources = cast(Set[int], {c.src_place for c in batch} - {HOST})
         for peer in sources - {device}:
             keep(("peer", lib.xp, device, peer), lambda: _peer_access(lib, device, peer))
         order.fork(device, stream, sources | {device})   # new memory: freed on the current stream
@@ -167,7 +169,7 @@ def move(lib: Lib, copies: Sequence[Copy], streams: Optional[Dict[Place, Any]] =
 
 
 # -- the shared bodies ----------------------------------------------------------------------------
-def broadcast_arrays(lib: Lib, sources: List[Any], source: Place, targets: Tuple[Place, ...],
+def broadcast_arrays(lib: DeviceCall, sources: List[Any], source: Place, targets: Tuple[Place, ...],
                      outs: Optional[List[List[Any]]] = None) -> List[List[Any]]:
     """``result[t][k]``: a copy of ``sources[k]`` (C-contiguous, at ``source``) at
     ``targets[t]``, in ``outs[t][k]`` when given."""
@@ -182,13 +184,12 @@ def broadcast_arrays(lib: Lib, sources: List[Any], source: Place, targets: Tuple
     else:   # NCCL broadcasts from a member: upload to the first one
         move(lib, [whole(out, targets[0], a, source) for out, a in zip(outs[0], sources)])
         root, sends = 0, outs[0]
-    order = Order(lib)
-    local.broadcast(lib.name, lib.xp, targets, [order.current(t) for t in targets], root, sends,
-                    outs)
+    order, gpus = Order(lib), cast(Tuple[int, ...], targets)   # HOST is not among them here
+    local.broadcast(lib.name, lib.xp, gpus, [order.current(t) for t in gpus], root, sends, outs)
     return outs
 
 
-def sum_arrays(lib: Lib, jobs: List[List[Any]], places: Tuple[Place, ...],
+def sum_arrays(lib: DeviceCall, jobs: List[List[Any]], places: Tuple[Place, ...],
                destination: Place) -> List[Any]:
     """The elementwise sum of each job's arrays (``job[i]`` at ``places[i]``, C-contiguous,
     alike), at ``destination``."""
@@ -198,8 +199,8 @@ def sum_arrays(lib: Lib, jobs: List[List[Any]], places: Tuple[Place, ...],
     by_nccl = [j for j, job in enumerate(jobs)
                if home != HOST and len(places) > 1 and local.can_sum(job[0].dtype)]
     if by_nccl:
-        order = Order(lib)
-        local.reduce_sum(lib.name, lib.xp, places, [order.current(p) for p in places], root,
+        order, gpus = Order(lib), cast(Tuple[int, ...], places)   # NCCL sums on GPUs only
+        local.reduce_sum(lib.name, lib.xp, gpus, [order.current(p) for p in gpus], root,
                          [jobs[j] for j in by_nccl], [results[j] for j in by_nccl])
     by_adding = [j for j in range(len(jobs)) if j not in by_nccl]
     if by_adding:

@@ -1,6 +1,6 @@
 """Places (GPU ids and "cpu") and the argument checks of cupycomm.devices and cupycomm.prefetch.
 
-A :class:`Lib` is made per call: it names the call in messages, holds the device module
+A :class:`DeviceCall` is made per call: it names the call in messages, holds the device module
 (CuPy unless given; imported only when an argument needs it), and checks arguments before
 anything is allocated or moved: TypeError for the wrong kind of object, ValueError for a
 wrong value, each naming the call, the argument and the value.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from .._dtypes import DTYPES
 from .nested import map_arrays, path_text
 from .._validate import kind_name
 
-__all__ = ["HOST", "Place", "Lib", "describe", "brief", "with_length"]
+__all__ = ["HOST", "Place", "DeviceCall", "describe", "brief", "with_length"]
 
 HOST = "cpu"
 """The place that means host memory: where a GPU id can be given, ``"cpu"`` puts the part in
@@ -43,7 +43,7 @@ def with_length(shape: tuple, axis: int, length: int) -> tuple:
     return shape[:axis] + (length,) + shape[axis + 1:]
 
 
-class Lib:
+class DeviceCall:
     """One call's checks and array modules; the device module (CuPy unless given) is loaded
     only when an argument needs it."""
 
@@ -238,7 +238,8 @@ class Lib:
         """(path, place) of every array inside ``tree`` (nested tuples, lists, dicts)."""
         found: List[Tuple[str, Place]] = []
 
-        map_arrays(tree, lambda a, path: found.append((path_text(arg, path), self.where(a))),
+        map_arrays(tree,   # an array's place is never None: the second function says so
+                   lambda a, path: found.append((path_text(arg, path), cast(Place, self.where(a)))),
                    lambda a: self.where(a) is not None)
         return found
 

@@ -5,12 +5,12 @@ import collections
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Deque, Iterable, Iterator, List, Optional, Tuple, cast
 
 import numpy as np
 
 from .._dtypes import DTYPES
-from .places import HOST, Lib, brief
+from .places import HOST, DeviceCall, brief
 from .nested import map_arrays, path_text
 
 __all__ = ["prefetch", "Prefetcher"]
@@ -20,8 +20,8 @@ _PARALLEL_BYTES = 4 * 2 ** 20  # an array this large is staged by several thread
 _threads: Optional[ThreadPoolExecutor] = None
 
 
-def prefetch(iterable: Iterable, device: Any, depth: int = 2, *,
-             device_module: Any = None) -> Iterator:
+def prefetch(iterable: Iterable[Any], device: Any, depth: int = 2, *,
+             device_module: Any = None) -> Iterator[Any]:
     """Iterate over ``iterable`` with the NumPy arrays of each item already on ``device``.
 
     What torch's DataParallel does with its background copy streams: each item's host arrays
@@ -55,7 +55,7 @@ def prefetch(iterable: Iterable, device: Any, depth: int = 2, *,
         for x, y in cupycomm.prefetch(loader, device=comm.device, depth=2):
             loss = step(x, y)             # x and y are on the device
     """
-    lib = Lib("prefetch", device_module)
+    lib = DeviceCall("prefetch", device_module)
     depth = lib.integer("depth", depth, 0)
     try:
         source = iter(iterable)
@@ -64,7 +64,7 @@ def prefetch(iterable: Iterable, device: Any, depth: int = 2, *,
     place = HOST if device is None else lib.device("device", device)
     if place == HOST:
         return source
-    return Prefetcher(source, place, depth, lib)
+    return Prefetcher(source, cast(int, place), depth, lib)
 
 
 def _stage(dst: np.ndarray, src: np.ndarray) -> None:
@@ -99,14 +99,14 @@ class _Slot:
         return self.host
 
 
-class Prefetcher(Iterator):
+class Prefetcher(Iterator[Any]):
     """The iterator :func:`prefetch` returns for a GPU.
 
     ``stream`` is its side stream; ``close()`` (also on leaving a ``with`` block, and at the
     end of the items) waits for the copies in flight and frees the staging buffers.
     """
 
-    def __init__(self, source: Iterator, device: int, depth: int, lib: Lib) -> None:
+    def __init__(self, source: Iterator[Any], device: int, depth: int, lib: DeviceCall) -> None:
         self._source = source
         self._depth = depth
         self._lib = lib
@@ -115,9 +115,9 @@ class Prefetcher(Iterator):
         with self._cuda.Device(device):
             self.stream = self._cuda.Stream(non_blocking=True)
             self._requested = self._cuda.Event(disable_timing=True)
-            self._slots: Optional[list] = [_Slot(self._cuda) for _ in range(depth + 1)]
-        self._queue: collections.deque = collections.deque()   # (item on the device, its slot)
-        self._taken = 0                                         # items taken from the source
+            self._slots: Optional[List[_Slot]] = [_Slot(self._cuda) for _ in range(depth + 1)]
+        self._queue: Deque[Tuple[Any, _Slot]] = collections.deque()   # (item on device, slot)
+        self._taken = 0   # items taken from the source
         self._error: Optional[Exception] = None
         self._exhausted = False
 
@@ -144,6 +144,7 @@ class Prefetcher(Iterator):
         try:
             item = next(self._source)
             self._taken += 1
+            assert self._slots is not None   # __next__ fetches only while open
             slot = self._slots[self._taken % len(self._slots)]
             self._queue.append((self._upload(item, slot, consumer), slot))
         except StopIteration:
@@ -155,9 +156,9 @@ class Prefetcher(Iterator):
         return self._lib.where(a) == HOST
 
     def _upload(self, item: Any, slot: _Slot, consumer: Any) -> Any:
-        arrays: list = []
+        arrays: List[Any] = []
 
-        def collect(a: Any, path: tuple) -> None:
+        def collect(a: Any, path: Tuple[Any, ...]) -> None:
             if a.dtype not in DTYPES:   # the error names the array; the text only then
                 self._lib.place(path_text(f"item {self._taken - 1}", path), a)
             arrays.append(a)

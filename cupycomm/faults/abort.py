@@ -16,7 +16,8 @@ import traceback
 from typing import Optional, TextIO
 
 from .. import _bootstrap, _env
-from . import endings, flight, stacks
+from . import flight, stacks
+from ..run import exit_records
 
 __all__ = ["install_abort_handler", "abort_enabled", "abort_job", "abort_world", "report_to",
            "report_stream"]
@@ -51,7 +52,7 @@ def install_abort_handler() -> None:
         text = "".join(traceback.format_exception(kind, value, tb))
         report_stream().write(f"cupycomm: uncaught exception on {_bootstrap.describe_rank()}; "
                               f"aborting the MPI job\n{text}")
-        endings.record(endings.RAISED, f"{kind.__name__}: {value}")
+        exit_records.record(exit_records.RAISED, f"{kind.__name__}: {value}")
         flight.report_all("uncaught exception", report_stream())
         # No close_all() here: closing waits for calls in flight (a dropped receive whose
         # sender will never send would hold the abort until the timeout); MPI_Abort ends
@@ -65,7 +66,7 @@ def install_abort_handler() -> None:
 
 def abort_job(message: str) -> None:
     """Print ``message`` and this rank's stacks, then end every rank of the job."""
-    endings.record(endings.ABORTED, message)
+    exit_records.record(exit_records.ABORTED, message)
     stream = report_stream()
     stream.write(f"cupycomm watchdog: {message}: aborting the job\n")
     flight.report_all("abort", stream)

@@ -26,7 +26,8 @@ node's board: each node reports its own. With
 ``DIR/rank-<r>.json`` (the world communicator's; another communicator's go to
 ``DIR/<name>.rank-<r>.json``): when a call of its has waited 1 s (and every 10 s while it
 waits), on every trigger above, and when its communicator closes; ``python -m
-cupycomm.flight DIR`` merges the world's files of every node into one block, for example
+cupycomm.flight DIR`` (:mod:`cupycomm.flight`) merges the world's files of every node into
+one block, for example
 ``ranks 0-2 (nodeA) completed #41, wait in all_reduce #42`` and ``rank 3 (nodeB) completed
 #41, waits in broadcast #42``.
 """
@@ -39,14 +40,14 @@ import socket
 import sys
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 from .. import _env
 from .._bootstrap import node_name
 from .._collectives import CALLS
 
-__all__ = ["Recorder", "summarize", "read", "report_all", "install_signal", "report_signal",
-           "main", "DUMP_AFTER", "DUMP_EVERY", "REPORT_WINDOW"]
+__all__ = ["Recorder", "summarize", "report_all", "install_signal", "report_signal",
+           "DUMP_AFTER", "DUMP_EVERY", "REPORT_WINDOW"]
 
 DUMP_AFTER = 1.0
 """Seconds a call waits before this rank writes its file (CUPYCOMM_FLIGHT_RECORDER)."""
@@ -92,11 +93,11 @@ class Recorder:
         ``at`` blocked in ``busy`` (None: none); write this rank's file if a wait has gone
         on DUMP_AFTER s. Also answers the report signal (see :func:`install_signal`)."""
         wall = self._stamp(seq, busy, at)
-        if busy is not None and wall - self._wait[2] > DUMP_AFTER \
+        if busy is not None and wall - cast(Tuple[Any, ...], self._wait)[2] > DUMP_AFTER \
                 and wall - self._dumped > DUMP_EVERY:
             self.dump()
         if _signalled():
-            report_all(signal.Signals(_signal).name)
+            report_all(signal.Signals(cast(int, _signal)).name)   # set: it was signalled
 
     def _stamp(self, seq: int, busy: Optional[str], at: int) -> float:
         wall = time.time()
@@ -298,47 +299,3 @@ def _signalled() -> bool:
     except (BlockingIOError, InterruptedError):
         return False
     return _signal in data
-
-
-# -- python -m cupycomm.flight DIR ----------------------------------------------------------------
-def read(directory: str) -> List[Dict[str, Any]]:
-    """The ranks' files in ``directory`` (``rank-<r>.json``), by rank."""
-    states = []
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("rank-") and name.endswith(".json"):
-            with open(os.path.join(directory, name)) as f:
-                states.append(json.load(f))
-    return sorted(states, key=lambda s: s["rank"])
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m cupycomm.flight DIR [--calls]``: the one block from every rank's file."""
-    import argparse
-    parser = argparse.ArgumentParser(
-        prog="python -m cupycomm.flight",
-        description="Merge the flight recorder's files (CUPYCOMM_FLIGHT_RECORDER=DIR) of "
-                    "every rank into one block: where each rank was.")
-    parser.add_argument("directory")
-    parser.add_argument("--calls", action="store_true", help="also each rank's last calls")
-    args = parser.parse_args(argv)
-    try:
-        states = read(args.directory)
-    except (OSError, ValueError) as error:
-        print(f"python -m cupycomm.flight: cannot read {args.directory}: {error}",
-              file=sys.stderr)
-        return 2
-    if not states:
-        print(f"python -m cupycomm.flight: no rank-<r>.json in {args.directory}",
-              file=sys.stderr)
-        return 2
-    print(f"cupycomm flight recorder: {len(states)} ranks, communicator "
-          f"{states[0]['communicator']}")
-    for line in summarize(states):
-        print(f"  {line}")
-    if args.calls:
-        for state in states:
-            calls = "; ".join(f"#{c['seq']} {c['call']} {c['backend']} "
-                              f"{'done' if c['completed'] else 'not done'}"
-                              for c in state["calls"])
-            print(f"  rank {state['rank']}: {calls or 'no calls'}")
-    return 0

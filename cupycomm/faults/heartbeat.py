@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -195,7 +195,8 @@ class Heartbeats:
         for j, receiving in self._receiving.items():
             while receiving.Test():
                 self._handle(j, self._inbox[j].copy(), now)
-                receiving = self._receiving[j] = self._comm.Irecv(self._inbox[j], j, _TAG)
+                comm = cast(MPI.Comm, self._comm)   # open: there is nothing to test once closed
+                receiving = self._receiving[j] = comm.Irecv(self._inbox[j], j, _TAG)
 
     def _handle(self, j: int, message: np.ndarray, now: float) -> None:
         """What leader ``j`` said."""
@@ -209,7 +210,7 @@ class Heartbeats:
             rank = int(row[0])
             before = self._rows.get(rank)
             same = before is not None and before[0][_STATE] == row[_STATE]
-            self._rows[rank] = (row, before[1] if same else now)
+            self._rows[rank] = (row, before[1] if same and before is not None else now)
         if kind == BYE:
             self._said_bye[j] = True
             self._send(ACK, [j])
@@ -227,7 +228,8 @@ class Heartbeats:
         for j in to:
             if kind == BEAT and j in busy:
                 continue   # a slow receiver: skip a beat rather than pile sends up
-            self._sending.append((j, self._comm.Isend(message, j, _TAG), message))
+            comm = cast(MPI.Comm, self._comm)   # open: only an open one sends
+            self._sending.append((j, comm.Isend(message, j, _TAG), message))
 
     def _sent(self) -> List[tuple]:
         """Forget the sends that have completed; return the others."""

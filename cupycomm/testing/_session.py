@@ -18,9 +18,9 @@ from .. import _bootstrap
 from ..faults.abort import abort_world, report_stream
 from . import _outcomes
 from ..faults.board import Board
-from ._hangs import END_OF_SESSION, FIELDS, FINISHED, IN_ROUND, RUNNING, HangGuard, position
+from ._hang_guard import END_OF_SESSION, FIELDS, FINISHED, IN_ROUND, RUNNING, HangGuard, position
 from ._outcomes import Kind, by_value, ranks_label
-from ._rounds import CODE, EXTRA, POINT, SEQ, Point, Round, Rounds
+from ._exchange import CODE, EXTRA, POINT, SEQ, Point, Round, Rounds
 
 __all__ = ["MpiSession", "TIMEOUT", "worst_exit_status"]
 
@@ -31,7 +31,7 @@ TIMEOUT = pytest.StashKey[float]()  # on an item: its timeout in seconds (0: non
 _SEVERITY = [pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR,
              pytest.ExitCode.INTERRUPTED, pytest.ExitCode.TESTS_FAILED,
              pytest.ExitCode.NO_TESTS_COLLECTED, pytest.ExitCode.OK]
-# Where each round puts a rank on the hang guard's board (see _hangs.position).
+# Where each round puts a rank on the hang guard's board (see _hang_guard.position).
 _STEP = {Point.MARKS: 1, Point.SETUP: 1, Point.END: 3, Point.COLLECT: 1, Point.COLLECT_IDS: 1}
 
 

@@ -1,10 +1,10 @@
 """Run ``mpiexec -n N python ...`` from a test, with a hard time bound.
 
 For tests that must start a job of their own: fault scripts, examples, the plugin's own
-scratch suites. The launcher is the environment's (:func:`cupycomm.launchers.find`), with the
+scratch suites. The launcher is the environment's (:func:`cupycomm.run.launchers.find`), with the
 options it needs (Open MPI's ``--oversubscribe`` past the cores). The child job gets the
 parent's environment without the variables that MPI launchers give their ranks, keeping the
-user's launcher configuration (:meth:`cupycomm.launchers.Launcher.environment`), so that it
+user's launcher configuration (:meth:`cupycomm.run.launchers.Launcher.environment`), so that it
 starts as a job of its own even when the test itself runs under ``mpiexec``.
 :func:`no_auto_cleanup` gives the options that leave the ending of a failed job to cupycomm;
 :func:`simulated_nodes`, those that spread a job's ranks over nodes that exist in name only.
@@ -19,12 +19,12 @@ import sys
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from .. import launchers
+from ..run import launchers
 
 __all__ = ["Launched", "run_mpiexec", "run_job", "start_mpiexec", "kill", "launch_environment",
            "no_auto_cleanup", "simulated_nodes", "SIMULATES_NODES"]
 
-#: The kinds of launcher (:attr:`cupycomm.launchers.Launcher.kind`) that can simulate nodes
+#: The kinds of launcher (:attr:`cupycomm.run.launchers.Launcher.kind`) that can simulate nodes
 #: (Intel MPI's hydra, given made-up host names, fails: "Unable to run bstrap_proxy on
 #: node0").
 SIMULATES_NODES = ("hydra",)
@@ -78,7 +78,7 @@ def run_mpiexec(n: int, *args: str, timeout: float, env: Optional[Mapping[str, s
             one process group) is killed and ``timed_out`` is set.
         env: variables to add to the scrubbed environment (see :func:`launch_environment`).
         cwd: the directory to run in.
-        mpiexec: the launcher; default: :func:`cupycomm.launchers.find`'s (``$MPIEXEC``,
+        mpiexec: the launcher; default: :func:`cupycomm.run.launchers.find`'s (``$MPIEXEC``,
             the ``mpiexec`` next to this Python, else the one on PATH).
         mpiexec_args: more options of the launcher, e.g. :func:`no_auto_cleanup`'s.
 
@@ -185,7 +185,7 @@ def no_auto_cleanup(mpiexec: Optional[str] = None) -> List[str]:
 
     ``["-disable-auto-cleanup"]`` for hydra (MPICH's and Intel MPI's mpiexec),
     ``["--kill-on-bad-exit=0"]`` for srun, else ``[]``: see
-    :attr:`cupycomm.launchers.Launcher.cleanup_options`.
+    :attr:`cupycomm.run.launchers.Launcher.cleanup_options`.
 
     Example::
 

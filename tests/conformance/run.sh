@@ -33,7 +33,7 @@ if [ -n "${RECORDED:-}" ]; then
 else
     shapes=$(mktemp -d "${TMPDIR:-/tmp}/cupycomm-shapes.XXXXXX")
     trap 'rm -rf "$shapes"' EXIT
-    eval "launcher=($(python -m cupycomm.launchers -n 2 --leave-cleanup-to-cupycomm))"
+    eval "launcher=($(python -m cupycomm.run.launchers -n 2 --leave-cleanup-to-cupycomm))"
     echo "+ recording call shapes: ${launcher[*]} python -m pytest (the device tests)"
     CUPYCOMM_RECORD_CALL_SHAPES=$shapes timeout 600 "${launcher[@]}" python -m pytest tests -q \
         --color=no -p no:cacheprovider -k "standin or device or prefetch or graph or foreign" "$@"

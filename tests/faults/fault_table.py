@@ -4,7 +4,7 @@
     .venv-openmpi/bin/python tests/faults/fault_table.py --runs 3 --no-header
 
 Prints, as Markdown rows, the six faults of docs/guide/faults-and-timeouts.md's table for the
-launcher of the environment it runs in (:func:`cupycomm.launchers.find`, with the options
+launcher of the environment it runs in (:func:`cupycomm.run.launchers.find`, with the options
 that leave ending the job to cupycomm, as the docs recommend): the exit statuses seen, the
 worst time of ``--runs`` runs, and the first line that names the culprit rank (or the test).
 The faults are tests/faults/scenario.py's and the plugin's hanging case; tests/test_faults.py
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from cupycomm import launchers
+from cupycomm.run import launchers
 from cupycomm.testing import no_auto_cleanup, run_mpiexec
 
 HERE = Path(__file__).resolve().parent

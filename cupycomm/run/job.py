@@ -3,7 +3,7 @@ SIGTERM to it, and exit with a status that never lies.
 
 A launcher's exit status can say 0 for a job that lost a rank (MPICH's hydra, when a rank
 calls ``os._exit(0)``). So the job gets a directory of its own (``CUPYCOMM_RUN_DIR``), where
-each rank's ``init()`` records how it ended (:mod:`cupycomm.faults.endings`); after the job,
+each rank's ``init()`` records how it ended (:mod:`cupycomm.run.exit_records`); after the job,
 every rank must have recorded its end, or the status is non-zero and one line on stderr says
 which rank did not finish and why. The directory is removed afterwards.
 
@@ -13,7 +13,7 @@ on several nodes signals the other nodes' proxies at each rank's exit, and fails
 finished. Its stderr passes through here, so a job whose every rank recorded its end and
 whose launcher said that ends 0, with a line saying so.
 
-The job is started as :class:`~cupycomm.launchers.Launcher` says, leaving the ending of a
+The job is started as :class:`~cupycomm.run.launchers.Launcher` says, leaving the ending of a
 failed job to cupycomm (hydra: ``-disable-auto-cleanup``; Open MPI: ``--oversubscribe`` past
 the cores), in a session of its own: SIGINT and SIGTERM reach it once, from here (the
 handlers are installed before the launcher starts; a signal that arrives while it starts is
@@ -39,9 +39,8 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .. import launchers
-from . import endings
-from .board import alive
+from ..faults.board import alive
+from . import exit_records, launchers
 
 __all__ = ["Options", "UsageError", "parse", "verdict", "main", "USAGE", "GRACE",
            "LOST_GRACE"]
@@ -198,7 +197,7 @@ class _Forwarder:
                 _send(os.kill, child.pid, self.signal)
             if lost_at is None and now >= next_look:
                 next_look = now + 1.0
-                self.died = _died_here(endings.read(directory, size))
+                self.died = _died_here(exit_records.read(directory, size))
                 if self.died:
                     lost_at = now
             if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
@@ -250,7 +249,7 @@ def _died_here(records: Sequence[Optional[dict]]) -> List[int]:
     without recording their end (ranks elsewhere are the watchdog's and the heartbeats' to
     judge)."""
     host = socket.gethostname()
-    return [r["rank"] for r in records if r is not None and r["state"] == endings.RUNNING
+    return [r["rank"] for r in records if r is not None and r["state"] == exit_records.RUNNING
             and r["host"] == host and not alive(r["pid"])]
 
 
@@ -268,7 +267,7 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
             stopped_by: Optional[int] = None, died: Sequence[int] = (),
             launcher_failed: bool = False) -> Tuple[int, str]:
     """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
-    left ``records`` (:func:`cupycomm.faults.endings.read`) and whose launcher exited with
+    left ``records`` (:func:`cupycomm.run.exit_records.read`) and whose launcher exited with
     ``returncode`` (negative: killed by that signal); ``died``: ranks seen dead while the
     job ran (named first: the others were killed after them); ``launcher_failed``: the
     launcher said it failed on its own at the job's end (see the module's docstring).
@@ -294,8 +293,8 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
     for r in written:
         by_state.setdefault(r["state"], []).append(r)
     missing = [rank for rank, r in enumerate(records) if r is None]
-    unfinished = [r["rank"] for r in by_state.get(endings.RUNNING, [])]
-    if len(by_state.get(endings.ENDED, [])) == len(records):
+    unfinished = [r["rank"] for r in by_state.get(exit_records.RUNNING, [])]
+    if len(by_state.get(exit_records.ENDED, [])) == len(records):
         if status and launcher_failed and returncode > 0:
             return 0, (f"cupycomm.run: every rank reached its end; {exited} after failing on "
                        f"its own as the job ended (hydra's race with its exiting proxies)")
@@ -303,12 +302,12 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
             return status, (f"cupycomm.run: every rank reached its end, but {exited} (a rank "
                             f"called sys.exit with a non-zero code?)")
         return 0, ""
-    if endings.RAISED in by_state or endings.ABORTED in by_state:
-        first = (by_state.get(endings.RAISED) or by_state[endings.ABORTED])[0]
-        how = "raised" if first["state"] == endings.RAISED else "ended the job:"
+    if exit_records.RAISED in by_state or exit_records.ABORTED in by_state:
+        first = (by_state.get(exit_records.RAISED) or by_state[exit_records.ABORTED])[0]
+        how = "raised" if first["state"] == exit_records.RAISED else "ended the job:"
         reason = f"{_who(first)} {how} {first['detail']}"
     else:
-        running = by_state.get(endings.RUNNING, [])
+        running = by_state.get(exit_records.RUNNING, [])
         first = next((r for r in running if r["rank"] in died), running[0] if running else None)
         unfinished = [rank for rank in unfinished if first is None or rank != first["rank"]]
         reason = (f"{_who(first)} ended without finishing (it recorded no end: os._exit, a "
@@ -360,7 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         returncode = forwarder.wait(child, directory, options.n)
         if stderr is not None:
             stderr.finish()
-        status, line = verdict(endings.read(directory, options.n), returncode,
+        status, line = verdict(exit_records.read(directory, options.n), returncode,
                                os.path.basename(launcher.executable), forwarder.signal,
                                forwarder.died, stderr is not None and stderr.said)
     finally:

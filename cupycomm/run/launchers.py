@@ -15,7 +15,7 @@ kind          launcher                                    ``--version`` says
 Anything else is ``other``: it gets a plain ``-n N``. :func:`find` names the launcher of the
 environment we run in; :meth:`Launcher.command` gives the argv of a job up to the program, and
 :meth:`Launcher.environment` the environment of a job started from inside a rank. ``python -m
-cupycomm.launchers -n 3`` prints that argv, shell-quoted (``tests/run.sh`` uses it).
+cupycomm.run.launchers -n 3`` prints that argv, shell-quoted (``tests/run.sh`` uses it).
 :func:`library_kind` names the MPI library from ``MPI.Get_library_version()``.
 """
 from __future__ import annotations
@@ -247,7 +247,7 @@ def library_kind(version: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cupycomm.launchers",
+        prog="python -m cupycomm.run.launchers",
         description="Print the argv (shell-quoted) that starts an N-rank job with the launcher "
                     "of this environment; without -n, say which launcher that is.")
     parser.add_argument("-n", type=int, help="the number of ranks")
