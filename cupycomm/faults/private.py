@@ -85,7 +85,11 @@ def make_directory(parent: str) -> Tuple[str, int]:
             os.mkdir(path, 0o700)
         except FileExistsError:   # as mkdtemp: 63 random bits taken; draw again
             continue
-        os.chmod(path, 0o700, follow_symlinks=False)   # whatever the umask took away
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o700)   # whatever the umask took away
+        finally:
+            os.close(fd)
         return path, token
 
 
