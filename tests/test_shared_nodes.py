@@ -401,6 +401,23 @@ def test_stack_files_are_private_and_found_through_the_board(tmp_path, monkeypat
     assert not os.path.exists(directory)
 
 
+@pytest.mark.mpi(max_size=1)
+def test_a_whole_file_write_follows_no_link_planted_at_its_names(tmp_path):
+    """The run records and the flight recorder's files (in a directory the user named, which
+    may be shared): a link planted at the partial file's name or at the file's own name is
+    replaced, never written through; the file is this user's, mode 0600."""
+    precious = tmp_path / "checkpoint"
+    precious.write_bytes(PRECIOUS)
+    record = tmp_path / "rank-0.json"
+    os.symlink(precious, f"{record}.{os.getpid()}")
+    os.symlink(precious, record)
+    private.replace_file(str(record), '{"state": "running"}')
+    assert precious.read_bytes() == PRECIOUS
+    assert not record.is_symlink() and record.read_text() == '{"state": "running"}'
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    assert not os.path.lexists(f"{record}.{os.getpid()}")
+
+
 # -- the rule: no predictable path in a shared directory -------------------------------------------
 SOURCES = {"gettempdir", "gettempdirb", "shared_directory", "temporary_directory"}
 SHARED = ("/tmp", "/var/tmp", "/dev/shm", "TMPDIR")
