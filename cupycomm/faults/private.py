@@ -33,7 +33,7 @@ import re
 import secrets
 import stat
 import tempfile
-from typing import Optional, Set, Tuple
+from typing import Callable, Optional, Set, Tuple
 
 from ..errors import SharedFileRefused
 
@@ -141,7 +141,8 @@ def _open_no_link(path: str, flags: int, what: str, dir_fd: Optional[int] = None
         raise
 
 
-def _check(fd: int, path: str, kind, kind_name: str, mode: int) -> None:
+def _check(fd: int, path: str, kind: Callable[[int], bool], kind_name: str,
+           mode: int) -> None:
     found = os.fstat(fd)
     uid = os.getuid()
     if kind(found.st_mode) and found.st_uid == uid and stat.S_IMODE(found.st_mode) == mode:
