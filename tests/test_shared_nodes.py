@@ -72,12 +72,13 @@ def _nodes(comm):
 
 
 # -- in the running job (any number of ranks, one node or several) ---------------------------------
-def test_links_at_the_old_board_names_are_not_followed(tmp_path):
+def test_links_at_the_old_board_names_are_not_followed():
     """Every rank plants links at its own pid's old names (the node's first rank made the
     board there); a new communicator's board goes elsewhere, the files linked to are
     untouched and the links stay."""
     comm = cupycomm.init()
-    target = tmp_path / f"checkpoint-{comm.rank}"
+    own = tempfile.TemporaryDirectory()   # not tmp_path: the ranks would share its base
+    target = pathlib.Path(own.name, "checkpoint")
     target.write_bytes(PRECIOUS)
     links = [_old_board_name(os.getpid(), n) for n in range(1000)]
     for link in links:
@@ -94,6 +95,7 @@ def test_links_at_the_old_board_names_are_not_followed(tmp_path):
     finally:
         for link in links:
             os.unlink(link)
+        own.cleanup()
 
 
 @needs_root
