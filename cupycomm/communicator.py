@@ -121,7 +121,7 @@ class Communicator(Dispatch, Validation):
         node = _bootstrap.node_comm(mpi_comm)
         self.local_rank: int = node.Get_rank()
         self._device_rank = self.local_rank if device_rank is None else device_rank
-        board = NodeBoard(node, self.rank) if self.size > 1 else None
+        board = NodeBoard(node, self.rank, mpi_comm) if self.size > 1 else None
         beats = Heartbeats.connect(mpi_comm, node, board, name) if board is not None else None
         node.Free()
         self._tracker = Tracker(name, self.rank, self.size, timeout, board, beats)

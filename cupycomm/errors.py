@@ -3,13 +3,15 @@
 Bad arguments raise ``TypeError`` (wrong kind of object) or ``ValueError`` (wrong value or
 shape), before any communication starts. The classes here are for state and for faults:
 a closed communicator, a collective that did not finish in time, ranks that disagree about
-a collective (debug mode), a failed NCCL call, a peer process that is gone.
+a collective (debug mode), a failed NCCL call, a peer process that is gone, a node's shared
+file that is not the one cupycomm made.
 """
 from __future__ import annotations
 
 from typing import Tuple
 
-__all__ = ["CommClosedError", "CollectiveTimeout", "CollectiveMismatch", "NcclError", "PeerLost"]
+__all__ = ["CommClosedError", "CollectiveTimeout", "CollectiveMismatch", "NcclError", "PeerLost",
+           "SharedFileRefused"]
 
 
 class CommClosedError(RuntimeError):
@@ -42,3 +44,10 @@ class NcclError(RuntimeError):
 class PeerLost(NcclError):
     """A peer process of the communicator died while this rank's device collectives waited
     for it: the NCCL communicator was aborted (host collectives end the job instead)."""
+
+
+class SharedFileRefused(RuntimeError):
+    """A file that cupycomm shares between the processes of a node (the node board) is not
+    the one it made: a link, another user's, or open to other users; the message names the
+    path, what was found and what was expected. Raised on every rank of the communicator
+    being made. See the security guide (docs/guide/security.md)."""

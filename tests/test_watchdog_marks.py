@@ -16,7 +16,6 @@ from cupycomm.faults.board import CLOSED, FIELDS, LEFT, LEFT_AT, PID, RANK, SEQ,
 from cupycomm._collectives import BY_NAME
 from cupycomm.faults import abort
 from cupycomm.faults.abort import abort_job
-from cupycomm.faults.stacks import PeerStacks
 from cupycomm.faults.watchdog import GRACE, HOLD_MARGIN, Tracker, _Watchdog, unwatch
 from cupycomm.backends.mpi import MPIBackend
 
@@ -245,26 +244,3 @@ def test_abort_job_reports_where_it_is_told(tmp_path, monkeypatch):
     text = (tmp_path / "terminal").read_text()
     assert "cupycomm watchdog: a test message: aborting the job" in text
     assert "in test_abort_job_reports_where_it_is_told" in text   # this thread's stack
-
-
-def test_stack_files_of_processes_that_are_gone_are_removed(tmp_path, monkeypatch):
-    """A rank killed or gone with os._exit never closes its PeerStacks; the next one made on
-    the machine removes the file it left (its own and live processes' files stay)."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        for pid in (gone.pid, live.pid):
-            (tmp_path / f"cupycomm-stack-{pid}.txt").write_text("stacks")
-        (tmp_path / "cupycomm-stack-notes.txt").write_text("not ours")
-        peers = PeerStacks(_board(np.zeros((1, FIELDS), np.int64), 0), asked=6, written=7)
-        try:
-            left = sorted(path.name for path in tmp_path.iterdir())
-        finally:
-            peers.close()
-    finally:
-        live.kill()
-        live.wait()
-    assert left == sorted([f"cupycomm-stack-{live.pid}.txt", f"cupycomm-stack-{os.getpid()}.txt",
-                           "cupycomm-stack-notes.txt"])

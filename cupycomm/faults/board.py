@@ -11,34 +11,40 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import itertools
 import mmap
 import os
-import tempfile
 import time
 import weakref
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import _bootstrap
+from ..errors import SharedFileRefused
+from . import private
+from .private import alive
 
-__all__ = ["Board", "NodeBoard", "alive", "shared_directory", "RANK", "PID", "LEFT", "SEQ",
-           "BUSY", "BUSY_SEQ", "LEFT_AT", "GONE", "GONE_STATE", "GONE_SEQ", "GONE_AT",
-           "REPORTED_AT", "CLOSED", "EXITING"]
+__all__ = ["Board", "NodeBoard", "alive", "RANK", "PID", "LEFT", "SEQ", "BUSY", "BUSY_SEQ",
+           "LEFT_AT", "GONE", "GONE_STATE", "GONE_SEQ", "GONE_AT", "REPORTED_AT", "CLOSED",
+           "EXITING"]
 
-_names = itertools.count()
-
-
-def shared_directory() -> str:
-    """Where node-local shared memory files go."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_FILE = "board"   # its name in the private directory of the node's first rank
 
 
 class Board:
     """``fields`` int64 per rank of ``node`` (the ranks of one communicator on this node), in
-    shared memory; made collectively over ``node``, which it does not keep.
+    shared memory; made collectively over ``agree`` (default: ``node``; a communicator that
+    holds ``node``'s ranks), neither of which it keeps.
+
+    The node's first rank makes the file in a private directory of its own
+    (:mod:`cupycomm.faults.private`: mode 0700 under an unpredictable name in ``/dev/shm``)
+    and sends its path to the others over MPI; each other rank maps it only once it has
+    checked that the directory and the file are its own user's with modes 0700 and 0600 and
+    no link. The ranks of ``agree`` then learn together whether every rank of every node
+    has mapped its board (the one collective that also stands for "everyone has mapped it:
+    the name can go"): if one has not, every one of them raises
+    :class:`~cupycomm.errors.SharedFileRefused` with its reason, and none waits for it.
 
     ``rows[i]`` is the row of ``node``'s rank ``i``; ``mine`` is this rank's, and starts zeroed.
     :meth:`locked` is a lock its ranks share.
@@ -50,22 +56,40 @@ class Board:
         others = [row for i, row in enumerate(board.rows) if i != board.index]
     """
 
-    def __init__(self, node: MPI.Comm, fields: int) -> None:
+    def __init__(self, node: MPI.Comm, fields: int, agree: Optional[MPI.Comm] = None) -> None:
         self.index = node.Get_rank()
         nbytes = node.Get_size() * fields * 8
-        path = None
+        fd, why, directory = -1, "", ""
         if self.index == 0:
-            path = os.path.join(shared_directory(), f"cupycomm-{os.getpid()}-{next(_names)}")
-            with open(path, "wb") as f:
-                f.truncate(nbytes)
-        path = node.bcast(path, root=0)
-        # The descriptor stays open (its flock is the lock of locked()) until the board goes.
-        self._fd = os.open(path, os.O_RDWR)
-        weakref.finalize(self, os.close, self._fd)
-        self._map = mmap.mmap(self._fd, nbytes)
-        node.Barrier()   # everyone has mapped it: the name can go, the memory stays
-        if self.index == 0:
-            os.unlink(path)
+            try:
+                directory, _ = private.make_directory(private.shared_directory())
+                fd = private.create(directory, _FILE, nbytes)
+            except OSError as error:
+                why = f"could not make it in {private.shared_directory()}: {error}"
+        directory, why = node.bcast((directory, why), root=0)
+        if not why and self.index != 0:
+            try:
+                fd = private.open_checked(directory, _FILE)
+            except (SharedFileRefused, OSError) as error:
+                why = str(error)
+        if fd >= 0:
+            # The descriptor stays open (its flock is the lock of locked()) until the board goes.
+            weakref.finalize(self, os.close, fd)
+            self._fd = fd
+            if not why:
+                try:
+                    self._map = mmap.mmap(fd, nbytes)
+                except (OSError, ValueError) as error:
+                    why = f"could not map {directory}/{_FILE}: {error}"
+        agree = node if agree is None else agree
+        refused = agree.allreduce(1 if why else 0, op=MPI.SUM)
+        if self.index == 0 and directory:
+            private.remove(directory)   # everyone has mapped it (or given up): the memory stays
+        if refused:
+            whys = agree.allgather(f"rank {agree.Get_rank()} ({_bootstrap.node_name()}, pid "
+                                   f"{os.getpid()}): {why}" if why else "")
+            raise SharedFileRefused("the node board (shared memory) was refused or could not "
+                                    "be made: " + "; ".join(w for w in whys if w))
         self.rows = np.frombuffer(self._map, np.int64).reshape(node.Get_size(), fields)
         self.mine = self.rows[self.index]
 
@@ -107,8 +131,9 @@ class NodeBoard(Board):
     heartbeats learnt of ranks on other nodes (:mod:`cupycomm.faults.heartbeat`), and the board
     says which rank prints the node's flight-recorder block (:meth:`first_to_report`)."""
 
-    def __init__(self, node: MPI.Comm, rank: int) -> None:
-        super().__init__(node, FIELDS)
+    def __init__(self, node: MPI.Comm, rank: int, comm: Optional[MPI.Comm] = None) -> None:
+        """``rank``: this rank in ``comm``, the communicator (which agrees on the board)."""
+        super().__init__(node, FIELDS, comm)
         self.mine[RANK], self.mine[PID] = rank, os.getpid()
 
     def publish(self, seq: int, busy: int, busy_seq: int) -> None:
@@ -155,18 +180,3 @@ class NodeBoard(Board):
     def peers(self) -> np.ndarray:
         """A snapshot of the other rows."""
         return np.array([row for i, row in enumerate(self.rows) if i != self.index])
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not exited."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # exists, owned by someone else
-        return True
-    try:   # a zombie has exited; its parent has just not reaped it yet
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:   # no /proc (not Linux): trust kill()
-        return True

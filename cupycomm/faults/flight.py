@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 from .. import _env
 from .._bootstrap import node_name
 from .._collectives import CALLS
+from . import private
 
 __all__ = ["Recorder", "summarize", "report_all", "install_signal", "report_signal",
            "DUMP_AFTER", "DUMP_EVERY", "REPORT_WINDOW"]
@@ -185,9 +186,7 @@ class Recorder:
             prefix = "" if self.name == "world" else "".join(
                 c if c.isalnum() else "_" for c in self.name) + "."
             path = os.path.join(directory, f"{prefix}rank-{self.rank}.json")
-            with open(f"{path}.{os.getpid()}", "w") as f:
-                json.dump(self.state(), f)
-            os.replace(f"{path}.{os.getpid()}", path)
+            private.replace_file(path, json.dumps(self.state()))
         except OSError as error:
             sys.stderr.write(f"cupycomm flight recorder: could not write {directory}: {error}\n")
 

@@ -4,22 +4,25 @@
   (faulthandler writes to descriptors: under Jupyter or pytest's capsys ``sys.stderr`` has
   none, so the first of the given stream, ``sys.stderr`` and ``sys.__stderr__`` that has one).
 - :class:`PeerStacks`: ask a peer on this node for its stacks through a
-  :class:`~cupycomm.faults.board.Board`. The peer's watcher thread writes them into a file
-  named after its pid, then an end mark, so that the reader never takes half a stack. A
-  peer whose thread does not answer (its main thread holds the GIL) is sent SIGUSR1, and
-  faulthandler writes its stacks from the signal handler, which works even then.
+  :class:`~cupycomm.faults.board.Board`. The peer's watcher thread writes them into its
+  stack file, then an end mark, so that the reader never takes half a stack. The file is in
+  a private directory of the peer's (:mod:`cupycomm.faults.private`, in the temporary
+  directory) whose name only the board tells; the reader opens it only if it is its own
+  user's, mode 0600. A peer whose thread does not answer (its main thread holds the GIL) is
+  sent SIGUSR1, and faulthandler writes its stacks from the signal handler, which works
+  even then.
 """
 from __future__ import annotations
 
 import faulthandler
-import glob
 import os
 import signal
 import sys
-import tempfile
 import time
 from typing import Any, Optional, TextIO
 
+from ..errors import SharedFileRefused
+from . import private
 from .board import Board, alive
 
 __all__ = ["dump", "with_descriptor", "PeerStacks", "WAIT"]
@@ -48,42 +51,31 @@ def dump(stream: Any = None) -> None:
         faulthandler.dump_traceback(file=target, all_threads=True)
 
 
-def _stack_file(pid: int) -> str:
-    return os.path.join(tempfile.gettempdir(), f"cupycomm-stack-{pid}.txt")
-
-
-def _remove_stale_stack_files() -> None:
-    """Remove the stack files of processes that are gone: a rank that was killed, or left
-    with ``os._exit``, never closed its :class:`PeerStacks`."""
-    for path in glob.glob(_stack_file(0).replace("-0.txt", "-*.txt")):
-        pid = path.rsplit("-", 1)[1][:-len(".txt")]
-        if pid.isdigit() and not alive(int(pid)):
-            try:
-                os.unlink(path)
-            except OSError:   # another rank removed it first, or it is not ours to remove
-                pass
+_FILE = "stacks.txt"   # its name in its process's private directory
 
 
 class PeerStacks:
     """Stacks on request between the processes of one :class:`Board`, whose rows hold the
-    fields ``asked`` (requests made of that row's process) and ``written`` (requests it has
-    answered). While it exists, SIGUSR1 makes this process write its stacks to its file.
+    fields ``asked`` (requests made of that row's process), ``written`` (requests it has
+    answered) and ``where`` (the token of its stack file's private directory). While it
+    exists, SIGUSR1 makes this process write its stacks to its file.
 
     Example::
 
-        peers = PeerStacks(board, asked=ASKED, written=WRITTEN)
+        peers = PeerStacks(board, asked=ASKED, written=WRITTEN, where=WHERE)
         peers.answer("")                  # on this process's watcher thread, at every look
-        text = peers.ask(index)           # another process's stacks, or why there are none
+        text = peers.ask(index, pid)      # another process's stacks, or why there are none
         peers.close()
     """
 
     active = 0   # how many exist: SIGUSR1 is theirs meanwhile
 
-    def __init__(self, board: Board, asked: int, written: int) -> None:
+    def __init__(self, board: Board, asked: int, written: int, where: int) -> None:
+        self._board, self._asked, self._written, self._where = board, asked, written, where
+        self._directory, token = private.make_directory(private.temporary_directory())
+        self._fd = private.create(self._directory, _FILE)
+        board.mine[where] = token
         PeerStacks.active += 1
-        self._board, self._asked, self._written = board, asked, written
-        _remove_stale_stack_files()
-        self._fd = os.open(_stack_file(os.getpid()), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         faulthandler.register(signal.SIGUSR1, file=self._fd, all_threads=True)
 
     def answer(self, preface: str) -> None:
@@ -105,41 +97,49 @@ class PeerStacks:
         if not alive(pid):
             return "(the process has exited)\n"
         row = self._board.rows[index]
+        if not row[self._where]:
+            return "(it has not made its stack file yet)\n"
+        directory = private.directory_of(private.temporary_directory(), pid,
+                                         int(row[self._where]))
         row[self._asked] += 1
         deadline = time.monotonic() + WAIT
         while time.monotonic() < deadline:
             time.sleep(0.02)
             if row[self._written] == row[self._asked]:
-                return _read(_stack_file(pid), 0).replace(_END_MARK, "")
-        return _by_signal(pid)
+                return _read(directory, 0).replace(_END_MARK, "")
+        return _by_signal(pid, directory)
 
     def close(self) -> None:
         PeerStacks.active -= 1
         faulthandler.unregister(signal.SIGUSR1)
         os.close(self._fd)
-        try:
-            os.unlink(_stack_file(os.getpid()))
-        except FileNotFoundError:
-            pass
+        private.remove(self._directory)
 
 
-def _read(path: str, start: int) -> str:
-    """The file from ``start`` on; the file is removed (the job is about to end)."""
+def _read(directory: str, start: int) -> str:
+    """The stack file in ``directory`` from ``start`` on; the directory is removed (the job is
+    about to end)."""
     try:
-        with open(path) as f:
+        with os.fdopen(private.open_checked(directory, _FILE, os.O_RDONLY)) as f:
             f.seek(start)
             text = f.read()
-        os.unlink(path)
-    except OSError as error:
-        return f"(its stack file {path} could not be read: {error})\n"
+    except (OSError, SharedFileRefused) as error:
+        return f"(its stack file in {directory} could not be read: {error})\n"
+    private.remove(directory)
     return text
 
 
-def _by_signal(pid: int) -> str:
+def _size(directory: str) -> int:
+    try:
+        return os.stat(os.path.join(directory, _FILE)).st_size
+    except OSError:
+        return 0
+
+
+def _by_signal(pid: int, directory: str) -> str:
     """Signal ``pid`` to dump its stacks from faulthandler's handler; return what it wrote by
     the time the file stops growing."""
-    path = _stack_file(pid)
-    start = os.path.getsize(path) if os.path.exists(path) else 0
+    start = _size(directory)
     try:
         os.kill(pid, signal.SIGUSR1)
     except ProcessLookupError:
@@ -147,11 +147,11 @@ def _by_signal(pid: int) -> str:
     deadline, seen = time.monotonic() + WAIT, start
     while time.monotonic() < deadline:
         time.sleep(0.1)
-        size = os.path.getsize(path) if os.path.exists(path) else 0
+        size = _size(directory)
         if size > start and size == seen:
             break
         seen = size
-    text = _read(path, start)
+    text = _read(directory, start)
     if not text:
         return f"(no stack arrived within {WAIT:g} s)\n"
     return ("(its thread did not answer, its main thread may hold the GIL: this stack was "

@@ -29,6 +29,7 @@ import sys
 from typing import List, Optional
 
 from .. import _bootstrap, _env
+from . import private
 
 __all__ = ["start", "record", "read", "RUNNING", "ENDED", "RAISED", "ABORTED"]
 
@@ -64,11 +65,8 @@ def record(state: str, detail: str = "") -> None:
     text = json.dumps({"rank": _bootstrap.world().Get_rank(), "node": _bootstrap.node_name(),
                        "host": socket.gethostname(), "pid": os.getpid(), "state": state,
                        "detail": detail})
-    partial = f"{_path}.{os.getpid()}"
     try:
-        with open(partial, "w") as f:
-            f.write(text)
-        os.replace(partial, _path)
+        private.replace_file(_path, text)
     except OSError as error:   # the directory is gone (the launcher ended): say so, go on
         sys.stderr.write(f"cupycomm: could not record this rank's end in {_path}: {error}\n")
 

@@ -45,8 +45,8 @@ _GRACE = 2.0
 
 # A row of the board: the rank's pid, its position in the session, its state there, the
 # outcome it waits with (a Kind) and since when (time.monotonic_ns(); the node's clock), and
-# how many stacks were asked of it and how many it has written.
-PID, POS, STATE, KIND, SINCE, ASKED, WRITTEN = range(7)
+# how many stacks were asked of it and how many it has written, and where its stack file is.
+PID, POS, STATE, KIND, SINCE, ASKED, WRITTEN, STACKS = range(8)
 FIELDS = 8
 # ABORTING: the rank is ending the job (its report printed, MPI_Abort under way); its death
 # then is no new fault for its peers to report (Open MPI kills them a moment after it died).
@@ -104,7 +104,7 @@ class HangGuard:
         """The board of this node's ranks (``ranks``: their ranks, by row of the board)."""
         board.mine[PID] = os.getpid()
         self._ranks = ranks
-        self._stacks = stacks.PeerStacks(board, ASKED, WRITTEN)
+        self._stacks = stacks.PeerStacks(board, ASKED, WRITTEN, STACKS)
         if self._rank != min(ranks):
             self._late = _GRACE + stacks.WAIT * (len(ranks) - 1)
         self._board = board

@@ -57,7 +57,7 @@ class MpiSession:
         self.rounds = Rounds(_bootstrap.world().Dup())
         self.rank, self.size = self.rounds.rank, self.rounds.size
         node = _bootstrap.node_comm(self.rounds.comm)
-        board = Board(node, FIELDS)
+        board = Board(node, FIELDS, self.rounds.comm)
         ranks = [int(rank) for rank in node.allgather(self.rank)]
         node.Free()
         self.guard.know_node(board, ranks)
