@@ -29,7 +29,7 @@ from cupycomm.errors import SharedFileRefused
 from cupycomm.faults import private
 from cupycomm.faults.board import Board
 from cupycomm.faults.stacks import PeerStacks
-from cupycomm.launchers import find
+from cupycomm.run.launchers import find
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
 
 PACKAGE = pathlib.Path(cupycomm.__file__).parent

@@ -29,7 +29,7 @@ import sys
 from typing import List, Optional
 
 from .. import _bootstrap, _env
-from . import private
+from ..faults import private
 
 __all__ = ["start", "record", "read", "RUNNING", "ENDED", "RAISED", "ABORTED"]
 
