@@ -20,7 +20,7 @@ from .._parts import offsets
 from ..work import HostWork
 from . import HostBackend, Marks
 
-__all__ = ["MPIBackend", "PreparedCalls"]
+__all__ = ["MPIBackend", "PreparedCalls", "PREPARED"]
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
@@ -32,7 +32,7 @@ _IN_PLACE = MPI.IN_PLACE
 
 def _exports_buffer(dtype: np.dtype) -> bool:
     try:
-        memoryview(np.empty(1, dtype))
+        np.empty(1, dtype).data   # a memoryview of the array
     except (ValueError, TypeError):   # "cannot include dtype 'E' in a buffer"
         return False
     return True
@@ -51,10 +51,15 @@ def _emulated_op(dtype: np.dtype, carrier: np.dtype, op: ReduceOp) -> MPI.Op:
     return MPI.Op.Create(reduce, commute=True)
 
 
-def _tables() -> tuple:
+# A reduction's spec: (MPI datatype, MPI op, divide by size afterwards, the view to hand MPI).
+Spec = Tuple[Any, Any, bool, Optional[np.dtype]]
+
+
+def _tables() -> Tuple[Dict[np.dtype, Optional[np.dtype]], Dict[np.dtype, Dict[ReduceOp, Spec]]]:
     """(movements, reductions): dtype -> the view to hand MPI (None: the array itself);
-    dtype -> requested op -> (MPI datatype, MPI op, divide by size afterwards, view)."""
-    movements, reductions = {}, {}
+    dtype -> requested op -> its :data:`Spec`."""
+    movements: Dict[np.dtype, Optional[np.dtype]] = {}
+    reductions: Dict[np.dtype, Dict[ReduceOp, Spec]] = {}
     for dtype, row in DTYPES.items():
         native = row.mpi_type is not None and _exports_buffer(dtype)
         movements[dtype] = None if _exports_buffer(dtype) else row.carrier
@@ -78,10 +83,11 @@ _MOVEMENTS, _REDUCTIONS = _tables()
 # batch() block's queue) with the datatype and op, and returns ``run``, one interpreter
 # frame, which makes the watchdog's marks (see ``Marks`` in backends/__init__.py: ``seq``
 # counts the call, one slot of the flight recorder's ring names it, ``busy`` names it while
-# it blocks) and the call. A blocking call returns None and ``run`` its result; a started
-# one returns a request, which ``started`` turns into a HostWork. The prepared calls and the
-# general path (MPIBackend's methods) both run these; a shared helper for the marks would
-# cost every call a second frame, hence the same four lines in each body.
+# the mpi4py call runs) and the call. A blocking call returns None and ``run`` its result; a
+# started one returns a request, which ``started`` turns into a HostWork. The prepared calls
+# and the general path (MPIBackend's methods) both run these. A helper for the marks would
+# cost every call a second frame: each body writes them alike, and
+# tests/test_watchdog_marks.py checks every prepared one.
 Started = Callable[[Any, Any, tuple, str], HostWork]
 
 
@@ -346,6 +352,7 @@ class MPIBackend(HostBackend):
         blocking, or started (``started``), or inside a batch() block queued to start when
         the block ends. ``label`` (default ``name``) is what the watchdog calls it."""
         factory, blocking, nonblocking = _CALLS[name]
+        keep: Started
         if self._group is not None:
             call, keep = partial(_queue, getattr(self._comm, nonblocking)), self._queued
         else:
@@ -424,7 +431,7 @@ class MPIBackend(HostBackend):
                 calls[op.value] = self._call(name, async_op, datatype, mpi_op)
         return calls
 
-    # -- collectives: the general path -------------------------------------------------------------
+    # -- collectives: the general path ------------------------------------------------------------
     # The movement spec, and ``view`` in a reduction's spec, is None for the dtypes MPI takes
     # as they are, else the carrier dtype that the buffers are viewed as (bfloat16 -> uint16).
     def all_reduce(self, x, recv, spec, async_op, stream):
@@ -558,7 +565,7 @@ class MPIBackend(HostBackend):
         """Wait for the started calls whose Work was dropped (MPI may still write into their
         arrays); the communicator owns, and frees, the MPI communicator."""
         pending = [request for work in self._inflight if not work._done
-                   for request in work._requests]
+                   for request in work._requests or ()]
         self._inflight.clear()
         if pending:
             self.wait_all(pending, "close")
