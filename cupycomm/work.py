@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 if TYPE_CHECKING:   # the contract only: the backends import this module
     from .backends import Completion, DeviceCompletion, HostCompletion
@@ -62,7 +62,7 @@ class Work(abc.ABC):
     __slots__ = ("_result", "_keep", "_done", "_owner", "_label")
     _owner: Optional[Completion]   # None for a WorkGroup, which asks its Works
 
-    def __init__(self, result: Any, keep: Sequence, owner: Optional[Completion],
+    def __init__(self, result: Any, keep: Sequence[Any], owner: Optional[Completion],
                  label: str) -> None:
         self._result = result
         self._keep = keep      # arrays that must outlive the communication
@@ -123,12 +123,20 @@ class HostWork(Work):
     __slots__ = ("_requests", "_finish")
     _owner: HostCompletion
 
-    # Waited for once per async_op call: so that the host's call path stays short, wait() is
-    # one frame and the backend's wait_all, where a super() call would cost one more.
-    def __init__(self, requests: Optional[list], result: Any, keep: Sequence,
+    # Made and waited for once per async_op call: so that the host's call path stays short,
+    # these set and clear Work's fields themselves, and wait() is one frame and the backend's
+    # wait_all, where a super() call would cost each one more. The copy is measured: with
+    # super().__init__ here, cupycomm's own cost of all_reduce(async_op=True).wait() over
+    # Iallreduce().Wait() went from +1.43 to +1.70 µs (one process, 8 B, best of 300 rounds;
+    # making a HostWork: 0.22 µs copied, 0.38 with super(), 0.28 with Work.__init__(self)).
+    def __init__(self, requests: Optional[List[Any]], result: Any, keep: Sequence[Any],
                  owner: HostCompletion, label: str,
                  finish: Optional[Callable[[], None]] = None) -> None:
-        super().__init__(result, keep, owner, label)
+        self._result = result
+        self._keep = keep
+        self._done = False
+        self._owner = owner
+        self._label = label
         self._requests = requests
         self._finish = finish
 
@@ -171,11 +179,15 @@ class DeviceWork(Work):
     __slots__ = ("_event", "_captured", "_own_event")
     _owner: DeviceCompletion
 
-    # Waited for once per async_op call: as HostWork's, wait() is one frame and the
-    # backend's stream_wait.
-    def __init__(self, event: Any, result: Any, keep: Sequence, owner: DeviceCompletion,
+    # Made and waited for once per async_op call: as HostWork's, these set and clear Work's
+    # fields themselves, and wait() is one frame and the backend's stream_wait.
+    def __init__(self, event: Any, result: Any, keep: Sequence[Any], owner: DeviceCompletion,
                  label: str, captured: bool = False, own_event: bool = False) -> None:
-        super().__init__(result, keep, owner, label)
+        self._result = result
+        self._keep = keep
+        self._done = False
+        self._owner = owner
+        self._label = label
         self._event = event
         self._captured = captured
         self._own_event = own_event
@@ -221,7 +233,7 @@ class WorkGroup(Work):
 
     __slots__ = ("_works", "_finish")
 
-    def __init__(self, works: list, result: Any, label: str,
+    def __init__(self, works: List[Work], result: Any, label: str,
                  finish: Optional[Callable[[], None]] = None) -> None:
         super().__init__(result, (), None, label)
         self._works = works

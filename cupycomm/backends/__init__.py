@@ -115,11 +115,13 @@ class Marks(Protocol):
 
 class HostBackend(Collectives, HostCompletion, Protocol):
     def barrier(self, async_op: bool = False) -> Any: ...
+
     def prepare(self, name: str, dtype: Any, reduces: bool = False,
                 async_op: bool = False) -> Any:
         """Collective ``name``'s call for ``dtype`` (a reduction's: a dict op -> call),
         blocking or started (``async_op``), made once and kept by the Communicator as its
         fast path; None where the general path must run."""
+
     def gather_ints(self, values: Sequence[int], label: str) -> Any:
         """Every rank's ``values`` (a row each), blocking: control traffic that sizes or
         checks a call (uneven all_to_all counts, debug mode's fingerprints)."""

@@ -344,13 +344,22 @@ class MPIBackend(HostBackend):
         # Started nonblocking calls, oldest first: they keep their arrays (and requests)
         # alive even if the caller drops the Work, since MPI writes into them until done.
         self._inflight: Deque[HostWork] = collections.deque()
+        self._calls: Dict[tuple, Callable] = {}   # see _call
 
     # -- the calls, and what finishes one -------------------------------------------------------
     def _call(self, name: str, started: bool, datatype: Any = _BYTE, op: Any = None,
               label: str = "") -> Callable:
         """Collective ``name``'s call (see the shapes above) with ``datatype`` and ``op``:
         blocking, or started (``started``), or inside a batch() block queued to start when
-        the block ends. ``label`` (default ``name``) is what the watchdog calls it."""
+        the block ends; made once. ``label`` (default ``name``) is what the watchdog calls
+        it."""
+        # Keyed by identity: mpi4py's Datatype and Op are unhashable, and the tables above
+        # hold the ones passed here for the life of the process.
+        key = (name, started if self._group is None else None, id(datatype), id(op))
+        try:
+            return self._calls[key]
+        except KeyError:
+            pass
         factory, blocking, nonblocking = _CALLS[name]
         keep: Started
         if self._group is not None:
@@ -358,7 +367,8 @@ class MPIBackend(HostBackend):
         else:
             call = getattr(self._comm, nonblocking if started else blocking)
             keep = self._started
-        return factory(call, datatype, op, label or name, self._tracker, keep)
+        run = self._calls[key] = factory(call, datatype, op, label or name, self._tracker, keep)
+        return run
 
     def _started(self, request: Any, result: Any, keep: tuple, label: str) -> HostWork:
         """The Work of a started call, kept in ``_inflight`` until it completes (the oldest
