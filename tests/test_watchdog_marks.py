@@ -42,7 +42,7 @@ class _ScriptedMPI:
         if self.fail:
             raise MPI.Exception(MPI.ERR_TRUNCATE)
 
-    Allreduce = Barrier = Recv = _blocking
+    Allreduce = Barrier = Recv = Alltoallv = _blocking
 
     @staticmethod
     def Waitall(requests):
@@ -57,7 +57,8 @@ def test_busy_names_the_blocking_call_while_it_lasts(fail):
     x = np.arange(4, dtype=np.float32)
     calls = [lambda: backend.all_reduce(x, x, (MPI.FLOAT, MPI.SUM, False, None), False, None),
              lambda: backend.barrier(),
-             lambda: backend.recv(x, None, 1, False, None)]
+             lambda: backend.recv(x, None, 1, False, None),
+             lambda: backend.all_to_all_v(x, x.copy(), None, [8, 8], [8, 8], False, None)]
     for call in calls:
         if fail:
             with pytest.raises(MPI.Exception):
@@ -65,7 +66,7 @@ def test_busy_names_the_blocking_call_while_it_lasts(fail):
         else:
             call()
         assert tracker.busy is None
-    assert scripted.seen == [(1, "all_reduce"), (2, "barrier"), (3, "recv")]
+    assert scripted.seen == [(1, "all_reduce"), (2, "barrier"), (3, "recv"), (4, "all_to_all")]
     tracker.check(now=100.0)       # nothing in progress: the watchdog waits for nothing
     assert tracker._waiting is None
 
