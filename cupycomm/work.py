@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+
+if TYPE_CHECKING:   # the contract only: the backends import this module
+    from .backends import Completion, DeviceCompletion, HostCompletion
 
 __all__ = ["Work", "HostWork", "DeviceWork", "WorkGroup", "poll_until"]
 
@@ -57,8 +60,10 @@ class Work(abc.ABC):
     """Handle of an asynchronous collective. See the module docstring for the semantics."""
 
     __slots__ = ("_result", "_keep", "_done", "_owner", "_label")
+    _owner: Optional[Completion]   # None for a WorkGroup, which asks its Works
 
-    def __init__(self, result: Any, keep: Sequence, owner: Any, label: str) -> None:
+    def __init__(self, result: Any, keep: Sequence[Any], owner: Optional[Completion],
+                 label: str) -> None:
         self._result = result
         self._keep = keep      # arrays that must outlive the communication
         self._done = False
@@ -87,8 +92,11 @@ class Work(abc.ABC):
         return self._result
 
     def _wait_for(self, timeout: Optional[float]) -> None:
-        if not poll_until(self._test, timeout, self._owner.check_errors):
-            self._owner.expired(self._label, timeout)
+        owner = self._owner
+        assert owner is not None, "a WorkGroup waits through its Works"
+        # (poll_until gives up only at a timeout)
+        if not poll_until(self._test, timeout, owner.check_errors) and timeout is not None:
+            owner.expired(self._label, timeout)
         self._complete()
 
     def _complete(self) -> None:
@@ -113,12 +121,17 @@ class HostWork(Work):
     ``requests`` is None for a call queued in a batch() block that has not ended."""
 
     __slots__ = ("_requests", "_finish")
+    _owner: HostCompletion
 
     # Made and waited for once per async_op call: so that the host's call path stays short,
     # these set and clear Work's fields themselves, and wait() is one frame and the backend's
-    # wait_all, where a super() call would cost each one more.
-    def __init__(self, requests: Optional[list], result: Any, keep: Sequence, owner: Any,
-                 label: str, finish: Optional[Callable[[], None]] = None) -> None:
+    # wait_all, where a super() call would cost each one more. The copy is measured: with
+    # super().__init__ here, cupycomm's own cost of all_reduce(async_op=True).wait() over
+    # Iallreduce().Wait() went from +1.43 to +1.70 µs (one process, 8 B, best of 300 rounds;
+    # making a HostWork: 0.22 µs copied, 0.38 with super(), 0.28 with Work.__init__(self)).
+    def __init__(self, requests: Optional[List[Any]], result: Any, keep: Sequence[Any],
+                 owner: HostCompletion, label: str,
+                 finish: Optional[Callable[[], None]] = None) -> None:
         self._result = result
         self._keep = keep
         self._done = False
@@ -164,11 +177,12 @@ class DeviceWork(Work):
     """
 
     __slots__ = ("_event", "_captured", "_own_event")
+    _owner: DeviceCompletion
 
     # Made and waited for once per async_op call: as HostWork's, these set and clear Work's
     # fields themselves, and wait() is one frame and the backend's stream_wait.
-    def __init__(self, event: Any, result: Any, keep: Sequence, owner: Any, label: str,
-                 captured: bool = False, own_event: bool = False) -> None:
+    def __init__(self, event: Any, result: Any, keep: Sequence[Any], owner: DeviceCompletion,
+                 label: str, captured: bool = False, own_event: bool = False) -> None:
         self._result = result
         self._keep = keep
         self._done = False
@@ -219,7 +233,7 @@ class WorkGroup(Work):
 
     __slots__ = ("_works", "_finish")
 
-    def __init__(self, works: list, result: Any, label: str,
+    def __init__(self, works: List[Work], result: Any, label: str,
                  finish: Optional[Callable[[], None]] = None) -> None:
         super().__init__(result, (), None, label)
         self._works = works

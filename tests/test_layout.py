@@ -2,7 +2,8 @@
 ``MPI.COMM_WORLD``; every NCCL call is made in ``backends/`` (the benchmark's raw baselines
 excepted: calling NCCL directly is their job; and the test stand-in, which is the NCCL it
 stands for); the backend contract lists what backends
-implement, and Foreign wraps exactly the collectives of the table of calls."""
+implement, and Foreign wraps exactly the collectives of the table of calls; no module runs
+source it generates."""
 import ast
 import inspect
 import pathlib
@@ -80,3 +81,13 @@ def test_backends_implement_their_whole_contract(backend, protocol):
 def test_the_contracts_collectives_are_the_tables_backend_methods():
     ours = _methods(backends.Collectives) - {"empty", "begin_group", "end_group", "close"}
     assert ours == set(_collectives.BACKEND_METHODS)
+
+
+def test_no_generated_source_runs():
+    """No module runs source it generates (``exec``, ``eval``, ``compile``): every call path
+    is code a reader and a traceback can see."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} calls {node.func.id}"
+             for path in _modules() for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id in {"exec", "eval", "compile"}]
+    assert found == []

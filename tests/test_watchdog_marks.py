@@ -2,10 +2,12 @@
 lasts and is cleared when it ends, also when it raises (else the watchdog would take a rank
 that caught an MPI error for one that hangs, and abort the job later). And how the watchdog
 judges what it sees: peers on the node board, the GIL backstop, where its report goes."""
+import inspect
 import os
 import subprocess
 import sys
 import tempfile
+import traceback
 import weakref
 
 import numpy as np
@@ -17,7 +19,7 @@ from cupycomm._collectives import BY_NAME
 from cupycomm.faults import abort
 from cupycomm.faults.abort import abort_job
 from cupycomm.faults.watchdog import GRACE, HOLD_MARGIN, Tracker, _Watchdog, unwatch
-from cupycomm.backends.mpi import MPIBackend
+from cupycomm.backends.mpi import PREPARED, MPIBackend
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
@@ -39,7 +41,7 @@ class _ScriptedMPI:
         if self.fail:
             raise MPI.Exception(MPI.ERR_TRUNCATE)
 
-    Allreduce = Barrier = Recv = _blocking
+    Allreduce = Barrier = Recv = Alltoallv = _blocking
 
     @staticmethod
     def Waitall(requests):
@@ -54,7 +56,8 @@ def test_busy_names_the_blocking_call_while_it_lasts(fail):
     x = np.arange(4, dtype=np.float32)
     calls = [lambda: backend.all_reduce(x, x, (MPI.FLOAT, MPI.SUM, False, None), False, None),
              lambda: backend.barrier(),
-             lambda: backend.recv(x, None, 1, False, None)]
+             lambda: backend.recv(x, None, 1, False, None),
+             lambda: backend.all_to_all_v(x, x.copy(), None, [8, 8], [8, 8], False, None)]
     for call in calls:
         if fail:
             with pytest.raises(MPI.Exception):
@@ -62,9 +65,81 @@ def test_busy_names_the_blocking_call_while_it_lasts(fail):
         else:
             call()
         assert tracker.busy is None
-    assert scripted.seen == [(1, "all_reduce"), (2, "barrier"), (3, "recv")]
+    assert scripted.seen == [(1, "all_reduce"), (2, "barrier"), (3, "recv"), (4, "all_to_all")]
     tracker.check(now=100.0)       # nothing in progress: the watchdog waits for nothing
     assert tracker._waiting is None
+
+
+class _AnyMPI:
+    """A stand-in MPI communicator with every mpi4py call, each recording what the tracker
+    said; the nonblocking ones (``I...``) return a request, which completes at once."""
+
+    def __init__(self, tracker: Tracker, fail: bool) -> None:
+        self.tracker, self.fail, self.seen = tracker, fail, []
+
+    def Get_size(self):
+        return 2
+
+    def Get_rank(self):
+        return 0
+
+    def __getattr__(self, method):
+        def call(*args):
+            self.seen.append((method, self.tracker.seq, self.tracker.busy))
+            if self.fail:
+                raise MPI.Exception(MPI.ERR_TRUNCATE)
+            return MPI.REQUEST_NULL if method.startswith("I") else None
+        return call
+
+
+def prepared_arguments(name):
+    """Arguments of collective ``name``'s prepared call on 4-element float32 arrays."""
+    x, y = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    return {"all_reduce": (x, x), "reduce_scatter": (x, y), "all_gather": (x, y),
+            "all_to_all": (x, y), "reduce": (x, x, 0), "gather": (x, y, 0),
+            "scatter": (x, y, 0), "broadcast": (x, 0), "sendrecv": (x, 1, y, 1)}[name]
+
+
+def prepared_call(backend, name, async_op):
+    made = backend.prepare(name, np.dtype(np.float32), name in ("all_reduce", "reduce",
+                                                                 "reduce_scatter"), async_op)
+    return made["sum"] if isinstance(made, dict) else made
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "started"])
+@pytest.mark.parametrize("name", PREPARED)
+def test_every_prepared_call_writes_the_marks(name, async_op, fail):
+    """seq counts the call, the flight recorder's ring names it in slot seq, busy names it
+    while the MPI call runs and is None after, also when it raised."""
+    tracker = Tracker("test", 0, 2, timeout=1.0)
+    tracker.seq = 6
+    scripted = _AnyMPI(tracker, fail)
+    run = prepared_call(MPIBackend(scripted, tracker), name, async_op)
+    if fail:
+        with pytest.raises(MPI.Exception):
+            run(*prepared_arguments(name))
+    else:
+        run(*prepared_arguments(name))
+    assert [seq_busy for _, *seq_busy in scripted.seen] == [[7, name]]
+    assert scripted.seen[0][0].startswith("I") == async_op
+    assert tracker.seq == 7 and tracker.busy is None
+    assert tracker.flight.calls[7 % tracker.flight.size] == name
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "started"])
+@pytest.mark.parametrize("name", PREPARED)
+def test_a_traceback_through_a_prepared_call_shows_its_source_line(name, async_op):
+    """The prepared call is plain Python in backends/mpi.py (no generated source): an error
+    of MPI's shows the file and the line that made the call."""
+    tracker = Tracker("test", 0, 2, timeout=1.0)
+    run = prepared_call(MPIBackend(_AnyMPI(tracker, fail=True), tracker), name, async_op)
+    with pytest.raises(MPI.Exception) as raised:
+        run(*prepared_arguments(name))
+    frames = traceback.extract_tb(raised.value.__traceback__)
+    ours = [f for f in frames if f.filename == inspect.getsourcefile(MPIBackend)]
+    assert len(ours) == 1, frames   # one frame of cupycomm's between the caller and MPI
+    assert ours[0].name == "run" and ours[0].line.startswith("request = call("), ours[0]
 
 
 def test_inside_marks_and_clears_even_on_error():

@@ -19,13 +19,15 @@ The doors, as small protocols (the annotations of their callers use them):
 - :class:`HostBackend` and :class:`DeviceBackend`: what each kind has besides.
 - :class:`Completion`: what a :class:`~cupycomm.work.Work` calls to complete.
 - :class:`Health`: what the watchdog thread asks of a device backend (never blocking, no MPI).
+- :class:`Marks`: what the backends write per call for the watchdog and the flight recorder
+  (:class:`~cupycomm.faults.watchdog.Tracker` has them), and ask of it.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from typing import Any, List, Mapping, Optional, Protocol, Sequence
 
 __all__ = ["Collectives", "HostBackend", "DeviceBackend", "Completion", "HostCompletion",
-           "DeviceCompletion", "Health"]
+           "DeviceCompletion", "Health", "Marks", "Ring"]
 
 
 class Collectives(Protocol):
@@ -78,13 +80,48 @@ class Health(Protocol):
     def abort(self, reason: str, peer_lost: bool = False) -> bool: ...
 
 
+class Ring(Protocol):
+    """The flight recorder's ring (:class:`~cupycomm.faults.flight.Recorder`): call ``seq``
+    writes its name in ``calls[seq % size]``."""
+
+    calls: List[Any]
+    size: int
+
+
+class Marks(Protocol):
+    """What a backend writes per call, on the main thread, for the watchdog thread to read.
+
+    Example (each of the host backend's calls; the device backend writes ``(label, "nccl")``
+    in the ring and no ``busy``)::
+
+        marks.seq = seq = marks.seq + 1        # the call's number on this communicator
+        marks.flight.calls[seq % marks.flight.size] = "all_reduce"
+        marks.busy = "all_reduce"              # while it blocks (hangs are judged by it)
+        try:
+            comm.Allreduce(...)
+        finally:
+            marks.busy = None
+    """
+
+    seq: int              # the calls issued on this communicator
+    busy: Optional[str]   # the blocking call or wait in progress ("all_reduce #12"), or None
+
+    @property
+    def flight(self) -> Ring: ...
+
+    def expired(self, label: str, timeout: float) -> None:
+        """``Work.wait(timeout=)`` of the host call ``label`` ran out: ends the job."""
+
+
 class HostBackend(Collectives, HostCompletion, Protocol):
     def barrier(self, async_op: bool = False) -> Any: ...
+
     def prepare(self, name: str, dtype: Any, reduces: bool = False,
                 async_op: bool = False) -> Any:
         """Collective ``name``'s call for ``dtype`` (a reduction's: a dict op -> call),
         blocking or started (``async_op``), made once and kept by the Communicator as its
         fast path; None where the general path must run."""
+
     def gather_ints(self, values: Sequence[int], label: str) -> Any:
         """Every rank's ``values`` (a row each), blocking: control traffic that sizes or
         checks a call (uneven all_to_all counts, debug mode's fingerprints)."""

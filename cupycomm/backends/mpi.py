@@ -8,7 +8,8 @@ followed by a division on the receiving ranks.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Dict, Optional, Sequence
+from functools import partial
+from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -17,8 +18,9 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from .._dtypes import DTYPES, ReduceOp
 from .._parts import offsets
 from ..work import HostWork
+from . import HostBackend, Marks
 
-__all__ = ["MPIBackend", "PreparedCalls"]
+__all__ = ["MPIBackend", "PreparedCalls", "PREPARED"]
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
@@ -30,7 +32,7 @@ _IN_PLACE = MPI.IN_PLACE
 
 def _exports_buffer(dtype: np.dtype) -> bool:
     try:
-        memoryview(np.empty(1, dtype))
+        np.empty(1, dtype).data   # a memoryview of the array
     except (ValueError, TypeError):   # "cannot include dtype 'E' in a buffer"
         return False
     return True
@@ -49,10 +51,15 @@ def _emulated_op(dtype: np.dtype, carrier: np.dtype, op: ReduceOp) -> MPI.Op:
     return MPI.Op.Create(reduce, commute=True)
 
 
-def _tables() -> tuple:
+# A reduction's spec: (MPI datatype, MPI op, divide by size afterwards, the view to hand MPI).
+Spec = Tuple[Any, Any, bool, Optional[np.dtype]]
+
+
+def _tables() -> Tuple[Dict[np.dtype, Optional[np.dtype]], Dict[np.dtype, Dict[ReduceOp, Spec]]]:
     """(movements, reductions): dtype -> the view to hand MPI (None: the array itself);
-    dtype -> requested op -> (MPI datatype, MPI op, divide by size afterwards, view)."""
-    movements, reductions = {}, {}
+    dtype -> requested op -> its :data:`Spec`."""
+    movements: Dict[np.dtype, Optional[np.dtype]] = {}
+    reductions: Dict[np.dtype, Dict[ReduceOp, Spec]] = {}
     for dtype, row in DTYPES.items():
         native = row.mpi_type is not None and _exports_buffer(dtype)
         movements[dtype] = None if _exports_buffer(dtype) else row.carrier
@@ -70,78 +77,190 @@ def _tables() -> tuple:
 _MOVEMENTS, _REDUCTIONS = _tables()
 
 
-_NO_SPEC = (None, None, False, None)
+# -- each MPI call, written once ----------------------------------------------------------------
+# One factory per argument shape (after mpi4py's util/pkl5.py, whose bodies take the MPI call
+# as a parameter): it binds ``call`` (the blocking mpi4py method, the nonblocking one, or a
+# batch() block's queue) with the datatype and op, and returns ``run``, one interpreter
+# frame, which makes the watchdog's marks (see ``Marks`` in backends/__init__.py: ``seq``
+# counts the call, one slot of the flight recorder's ring names it, ``busy`` names it while
+# the mpi4py call runs) and the call. A blocking call returns None and ``run`` its result; a
+# started one returns a request, which ``started`` turns into a HostWork. The prepared calls
+# and the general path (MPIBackend's methods) both run these. A helper for the marks would
+# cost every call a second frame: each body writes them alike, and
+# tests/test_watchdog_marks.py checks every prepared one.
+Started = Callable[[Any, Any, tuple, str], HostWork]
 
 
-# -- prepared calls: the Communicator's fast path ------------------------------------------------
-# One row per collective: (the blocking and the nonblocking mpi4py call, the prepared call's
-# parameters, the mpi4py call's arguments, what it returns, what a started call keeps alive).
-# Each row and the two templates below make the blocking call and the started one (async_op):
-# the watchdog's marks (``seq`` counts the call, one slot of the flight recorder's ring names
-# it, ``busy`` names it while it blocks; see faults/watchdog.py) are written once, yet each
-# prepared call is one interpreter frame, which a shared helper would double.
-_SHAPES: Dict[str, tuple] = {
-    "all_reduce": ("Allreduce", "Iallreduce", "x, recv",
-                   "_IN_PLACE if recv is x else [x, datatype], [recv, datatype], op",
-                   "recv", "x, recv"),
-    "reduce_scatter": ("Reduce_scatter_block", "Ireduce_scatter_block", "x, recv",
-                       "[x, datatype], [recv, datatype], op", "recv", "x, recv"),
-    "all_gather": ("Allgather", "Iallgather", "x, recv", "[x, datatype], [recv, datatype]",
-                   "recv", "x, recv"),
-    "all_to_all": ("Alltoall", "Ialltoall", "x, recv", "[x, datatype], [recv, datatype]",
-                   "recv", "x, recv"),
-    # Rooted: ``recv`` is None off the root (``x`` for scatter); the root reduces in place
-    # when ``recv is x``.
-    "reduce": ("Reduce", "Ireduce", "x, recv, root",
-               "_IN_PLACE if recv is x else [x, datatype], "
-               "None if recv is None else [recv, datatype], op, root", "recv", "x, recv"),
-    "gather": ("Gather", "Igather", "x, recv, root",
-               "[x, datatype], None if recv is None else [recv, datatype], root",
-               "recv", "x, recv"),
-    "scatter": ("Scatter", "Iscatter", "x, recv, root",
-                "None if x is None else [x, datatype], [recv, datatype], root",
-                "recv", "x, recv"),
-    "broadcast": ("Bcast", "Ibcast", "x, root", "[x, datatype], root", "x", "x,"),
-    "sendrecv": ("Sendrecv", "Isendrecv", "x, dst, buf, src",
-                 "[x, datatype], dst, 0, [buf, datatype], src, 0", "buf", "x, buf"),
+def _reduction(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
+               started: Started) -> Callable:
+    """all_reduce, reduce_scatter: ``run(x, recv)``, in place when ``recv is x``."""
+    ring, slots = marks.flight.calls, marks.flight.size
+
+    def run(x, recv):
+        marks.seq = seq = marks.seq + 1
+        ring[seq % slots] = label
+        marks.busy = label
+        try:
+            request = call(_IN_PLACE if recv is x else [x, datatype], [recv, datatype], op)
+        finally:
+            marks.busy = None
+        return recv if request is None else started(request, recv, (x, recv), label)
+    return run
+
+
+def _rooted_reduction(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
+                      started: Started) -> Callable:
+    """reduce: ``run(x, recv, root)``, ``recv`` None off the root, in place when ``recv is x``."""
+    ring, slots = marks.flight.calls, marks.flight.size
+
+    def run(x, recv, root):
+        marks.seq = seq = marks.seq + 1
+        ring[seq % slots] = label
+        marks.busy = label
+        try:
+            request = call(_IN_PLACE if recv is x else [x, datatype],
+                           None if recv is None else [recv, datatype], op, root)
+        finally:
+            marks.busy = None
+        return recv if request is None else started(request, recv, (x, recv), label)
+    return run
+
+
+def _rooted(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
+            started: Started) -> Callable:
+    """gather, scatter: ``run(x, recv, root)``, ``recv`` (gather) or ``x`` (scatter) None
+    off the root."""
+    ring, slots = marks.flight.calls, marks.flight.size
+
+    def run(x, recv, root):
+        marks.seq = seq = marks.seq + 1
+        ring[seq % slots] = label
+        marks.busy = label
+        try:
+            request = call(None if x is None else [x, datatype],
+                           None if recv is None else [recv, datatype], root)
+        finally:
+            marks.busy = None
+        return recv if request is None else started(request, recv, (x, recv), label)
+    return run
+
+
+def _two_buffers(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
+                 started: Started) -> Callable:
+    """all_gather, all_to_all: ``run(x, recv)``."""
+    ring, slots = marks.flight.calls, marks.flight.size
+
+    def run(x, recv):
+        marks.seq = seq = marks.seq + 1
+        ring[seq % slots] = label
+        marks.busy = label
+        try:
+            request = call([x, datatype], [recv, datatype])
+        finally:
+            marks.busy = None
+        return recv if request is None else started(request, recv, (x, recv), label)
+    return run
+
+
+def _one_buffer(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
+                started: Started) -> Callable:
+    """broadcast, send, recv: ``run(x, rank)`` (the root, or the peer)."""
+    ring, slots = marks.flight.calls, marks.flight.size
+
+    def run(x, rank):
+        marks.seq = seq = marks.seq + 1
+        ring[seq % slots] = label
+        marks.busy = label
+        try:
+            request = call([x, datatype], rank)
+        finally:
+            marks.busy = None
+        return x if request is None else started(request, x, (x,), label)
+    return run
+
+
+def _sendrecv(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
+              started: Started) -> Callable:
+    """sendrecv: ``run(x, dst, buf, src)``."""
+    ring, slots = marks.flight.calls, marks.flight.size
+
+    def run(x, dst, buf, src):
+        marks.seq = seq = marks.seq + 1
+        ring[seq % slots] = label
+        marks.busy = label
+        try:
+            request = call([x, datatype], dst, 0, [buf, datatype], src, 0)
+        finally:
+            marks.busy = None
+        return buf if request is None else started(request, buf, (x, buf), label)
+    return run
+
+
+def _vectors(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
+             started: Started) -> Callable:
+    """all_to_all_v: ``run(x, send_counts, recv, recv_counts)``, counts in ``datatype``."""
+    ring, slots = marks.flight.calls, marks.flight.size
+
+    def run(x, send_counts, recv, recv_counts):
+        marks.seq = seq = marks.seq + 1
+        ring[seq % slots] = label
+        marks.busy = label
+        try:
+            request = call([x, (send_counts, offsets(send_counts)), datatype],
+                           [recv, (recv_counts, offsets(recv_counts)), datatype])
+        finally:
+            marks.busy = None
+        return recv if request is None else started(request, recv, (x, recv), label)
+    return run
+
+
+def _no_buffer(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
+               started: Started) -> Callable:
+    """barrier: ``run()``."""
+    ring, slots = marks.flight.calls, marks.flight.size
+
+    def run():
+        marks.seq = seq = marks.seq + 1
+        ring[seq % slots] = label
+        marks.busy = label
+        try:
+            request = call()
+        finally:
+            marks.busy = None
+        return None if request is None else started(request, None, (), label)
+    return run
+
+
+# Each call's shape and its blocking and nonblocking mpi4py methods; the prepared calls are
+# those the Communicator looks up (PREPARED).
+_CALLS: Dict[str, Tuple[Callable[..., Callable], str, str]] = {
+    "all_reduce": (_reduction, "Allreduce", "Iallreduce"),
+    "reduce_scatter": (_reduction, "Reduce_scatter_block", "Ireduce_scatter_block"),
+    "reduce": (_rooted_reduction, "Reduce", "Ireduce"),
+    "gather": (_rooted, "Gather", "Igather"),
+    "scatter": (_rooted, "Scatter", "Iscatter"),
+    "all_gather": (_two_buffers, "Allgather", "Iallgather"),
+    "all_to_all": (_two_buffers, "Alltoall", "Ialltoall"),
+    "all_to_all_v": (_vectors, "Alltoallv", "Ialltoallv"),
+    "broadcast": (_one_buffer, "Bcast", "Ibcast"),
+    "send": (_one_buffer, "Send", "Isend"),
+    "recv": (_one_buffer, "Recv", "Irecv"),
+    "sendrecv": (_sendrecv, "Sendrecv", "Isendrecv"),
+    "barrier": (_no_buffer, "Barrier", "Ibarrier"),
 }
-_BLOCKING = """
-def {name}({params}):
-    tracker.seq = seq = tracker.seq + 1
-    ring[seq % slots] = name
-    tracker.busy = name
-    try:
-        call({args})
-    finally:
-        tracker.busy = None
-    return {result}
-"""
-_STARTED = """
-def {name}({params}):
-    tracker.seq = seq = tracker.seq + 1
-    ring[seq % slots] = name
-    work = HostWork([call({args})], {result}, ({keep}), backend, name)
-    while inflight and (inflight[0]._done or inflight[0].is_completed()):
-        popleft()   # the oldest calls that completed; see MPIBackend._keep_until_done
-    inflight.append(work)
-    return work
-"""
+PREPARED = ("all_reduce", "reduce_scatter", "reduce", "gather", "scatter", "all_gather",
+            "all_to_all", "broadcast", "sendrecv")
 
 
-def _make(backend: "MPIBackend", name: str, datatype: Any, op: Any, async_op: bool) -> Callable:
-    """Collective ``name``'s prepared call (blocking, or started for ``async_op``) with
-    ``datatype`` and ``op`` bound; see :meth:`MPIBackend.prepare` for its arguments."""
-    blocking, started, params, args, result, keep = _SHAPES[name]
-    tracker = backend._tracker
-    scope = {"call": getattr(backend._comm, started if async_op else blocking),
-             "datatype": datatype, "op": op, "name": name, "tracker": tracker,
-             "ring": tracker.flight.calls, "slots": tracker.flight.size,
-             "_IN_PLACE": _IN_PLACE, "HostWork": HostWork, "backend": backend,
-             "inflight": backend._inflight, "popleft": backend._inflight.popleft}
-    source = (_STARTED if async_op else _BLOCKING).format(
-        name=name, params=params, args=args, result=result, keep=keep)
-    exec(compile(source, f"<cupycomm prepared {name}>", "exec"), scope)
-    return scope[name]
+def _queue(start: Callable, *args: Any) -> tuple:
+    """A batch() block's stand-in for the nonblocking ``start``: the call to make when the
+    block ends (:meth:`MPIBackend.end_group`), in place of its request."""
+    return start, args
+
+
+def _viewed(a: Any, view: Any) -> Any:
+    """``a`` as the carrier dtype ``view`` (None: as it is; ``a`` None stays None)."""
+    return a if view is None or a is None else a.view(view)
 
 
 class PreparedCalls:
@@ -164,8 +283,8 @@ class PreparedCalls:
 
     def __init__(self, backend: "MPIBackend") -> None:
         self._backend = backend
-        self.blocking: Dict[str, dict] = {name: {} for name in _SHAPES}
-        self.started: Dict[str, dict] = {name: {} for name in _SHAPES}
+        self.blocking: Dict[str, dict] = {name: {} for name in PREPARED}
+        self.started: Dict[str, dict] = {name: {} for name in PREPARED}
         self.enabled = True
 
     def find(self, name: str, dtype: Any, op: Any = None,
@@ -195,12 +314,19 @@ class PreparedCalls:
         self.enabled = True
 
 
-class MPIBackend:
+class MPIBackend(HostBackend):
     """Collectives on host memory over one MPI communicator (owned by the Communicator).
 
-    Each collective prepares its buffers and makes its MPI call through one of two small
-    steps: :meth:`_block`, the blocking call, which also tells the watchdog what this rank
-    waits in; or :meth:`_start`, the nonblocking one, for ``async_op`` and batch() blocks.
+    Each method views its buffers as MPI takes them and runs the call that
+    :meth:`_call` makes from the call's shape (the same calls the prepared table holds),
+    blocking, started for ``async_op``, or queued in a batch() block; then it finishes the
+    call (``op="avg"``'s division, all_gather's list parts) or has its Work finish it.
+
+    Example::
+
+        backend = MPIBackend(MPI.COMM_WORLD.Dup(), tracker)
+        spec = backend.reductions[numpy.dtype("float32")][ReduceOp.SUM]
+        backend.all_reduce(x, x, spec, False, None)   # Allreduce(IN_PLACE, [x, MPI.FLOAT], SUM)
     """
 
     name = "mpi"
@@ -209,53 +335,71 @@ class MPIBackend:
     movements = _MOVEMENTS
     reductions = _REDUCTIONS
 
-    def __init__(self, comm: MPI.Comm, tracker: Any) -> None:
+    def __init__(self, comm: MPI.Comm, tracker: Marks) -> None:
         self._comm = comm
         self._size = comm.Get_size()
         self._rank = comm.Get_rank()
         self._tracker = tracker   # counts this rank's collectives, for the watchdog
-        self._flight, self._slots = tracker.flight.calls, tracker.flight.size   # its ring
         self._group: Any = None   # the open batch() block, if any
         # Started nonblocking calls, oldest first: they keep their arrays (and requests)
         # alive even if the caller drops the Work, since MPI writes into them until done.
-        self._inflight: collections.deque = collections.deque()
+        self._inflight: Deque[HostWork] = collections.deque()
+        self._calls: Dict[tuple, Callable] = {}   # see _call
 
-    # -- the blocking and the nonblocking MPI call, and what finishes one -------------------------
-    def _start(self, call: Callable, args: tuple, result: Any, keep: tuple, label: str,
-               finish: Optional[Callable[[], None]] = None) -> HostWork:
-        """Start the nonblocking ``call`` for async_op; inside a batch() block, queue it to
-        start when the block ends."""
-        tracker = self._tracker
-        tracker.seq = seq = tracker.seq + 1
-        self._flight[seq % self._slots] = label
-        group = self._group
-        if group is not None:
-            group.claim("host", label)
-            work = HostWork(None, result, keep, self, label, finish)
-            group.works.append(work)
-            group.calls.append((call, args))
-            return work
-        work = HostWork([call(*args)], result, keep, self, label, finish)
-        self._keep_until_done(work)
-        return work
+    # -- the calls, and what finishes one -------------------------------------------------------
+    def _call(self, name: str, started: bool, datatype: Any = _BYTE, op: Any = None,
+              label: str = "") -> Callable:
+        """Collective ``name``'s call (see the shapes above) with ``datatype`` and ``op``:
+        blocking, or started (``started``), or inside a batch() block queued to start when
+        the block ends; made once. ``label`` (default ``name``) is what the watchdog calls
+        it."""
+        # Keyed by identity: mpi4py's Datatype and Op are unhashable, and the tables above
+        # hold the ones passed here for the life of the process.
+        key = (name, started if self._group is None else None, id(datatype), id(op))
+        try:
+            return self._calls[key]
+        except KeyError:
+            pass
+        factory, blocking, nonblocking = _CALLS[name]
+        keep: Started
+        if self._group is not None:
+            call, keep = partial(_queue, getattr(self._comm, nonblocking)), self._queued
+        else:
+            call = getattr(self._comm, nonblocking if started else blocking)
+            keep = self._started
+        run = self._calls[key] = factory(call, datatype, op, label or name, self._tracker, keep)
+        return run
 
-    def _keep_until_done(self, work: HostWork) -> None:
+    def _started(self, request: Any, result: Any, keep: tuple, label: str) -> HostWork:
+        """The Work of a started call, kept in ``_inflight`` until it completes (the oldest
+        that completed are let go here)."""
+        work = HostWork([request], result, keep, self, label)
         inflight = self._inflight
-        while inflight and inflight[0].is_completed():
+        while inflight and (inflight[0]._done or inflight[0].is_completed()):
             inflight.popleft()
         inflight.append(work)
+        return work
 
-    def _block(self, label: str, call: Callable, *args: Any) -> None:
-        """Make the blocking MPI ``call``, its name in the tracker's ``busy`` while it lasts
-        (the watchdog judges hangs by it)."""
-        tracker = self._tracker
-        tracker.seq = seq = tracker.seq + 1
-        self._flight[seq % self._slots] = label
-        tracker.busy = label
-        try:
-            call(*args)
-        finally:
-            tracker.busy = None
+    def _queued(self, queued: tuple, result: Any, keep: tuple, label: str) -> HostWork:
+        """The Work of a call queued in the open batch() block (``queued``: what starts it)."""
+        group = self._group
+        group.claim("host", label)
+        work = HostWork(None, result, keep, self, label)
+        group.works.append(work)
+        group.calls.append(queued)
+        return work
+
+    @staticmethod
+    def _finish(done: Any, result: Any, finish: Optional[Callable[[], None]] = None) -> Any:
+        """What a general-path call returns once its call ran (``done``, what the call
+        returned: a HostWork if it started): ``result`` after ``finish``, or the Work that
+        gives ``result`` and runs ``finish`` when it completes."""
+        if type(done) is HostWork:
+            done._result, done._finish = result, finish
+            return done
+        if finish is not None:
+            finish()
+        return result
 
     def _divide(self, recv: np.ndarray) -> Callable[[], None]:
         # Complex values divide as pairs of reals, as NCCL's average does.
@@ -270,164 +414,98 @@ class MPIBackend:
                 dst[...] = src
         return finish
 
-    # -- prepared blocking calls: the Communicator's fast path ------------------------------------
+    # -- prepared calls: the Communicator's fast path ---------------------------------------------
     def prepare(self, name: str, dtype: np.dtype, reduces: bool = False,
                 async_op: bool = False) -> Any:
         """Collective ``name``'s prepared calls on arrays of ``dtype``, made once and kept by
-        the Communicator (:class:`PreparedCalls`): the typed mpi4py call with its datatype
-        (and op) bound, inside the watchdog's marks; blocking, or for ``async_op`` started
-        and returning a :class:`~cupycomm.work.HostWork`. For a reduction (``reduces``), a
-        dict op's string -> call. None (a reduction's op: None) where a call needs more (a
-        dtype MPI takes as a carrier view, an average to divide) or the dtype is not valid:
-        the general path (the methods below) does those, and says what is wrong. Arguments,
-        checked by the caller: ``(x, recv)``, ``recv is x`` in place; rooted calls ``(x,
-        recv, root)``, ``recv`` or ``x`` None where the rank does not use it; broadcast
-        ``(x, root)``; sendrecv ``(x, dst, buf, src)``."""
-        if name not in _SHAPES:
+        the Communicator (:class:`PreparedCalls`): the call of its shape with the datatype
+        (and op) bound; blocking, or for ``async_op`` started and returning a
+        :class:`~cupycomm.work.HostWork`. For a reduction (``reduces``), a dict op's string
+        -> call. None (a reduction's op: None) where a call needs more (a dtype MPI takes as
+        a carrier view, an average to divide) or the dtype is not valid: the general path
+        (the methods below) does those, and says what is wrong. Arguments, checked by the
+        caller: ``(x, recv)``, ``recv is x`` in place; rooted calls ``(x, recv, root)``,
+        ``recv`` or ``x`` None where the rank does not use it; broadcast ``(x, root)``;
+        sendrecv ``(x, dst, buf, src)``."""
+        if name not in PREPARED:
             return None
         if not reduces:
             if dtype not in _MOVEMENTS or _MOVEMENTS[dtype] is not None:
                 return None
-            return _make(self, name, _BYTE, None, async_op)
+            return self._call(name, async_op)
         # Every op's string (a ReduceOp member, a str, finds it as fast), None where it has
         # no call, so that a lookup misses only on a value that is not an op.
         calls: Dict[str, Optional[Callable]] = dict.fromkeys(op.value for op in ReduceOp)
         for op, (datatype, mpi_op, avg, view) in self.reductions.get(dtype, {}).items():
             if not avg and view is None:
-                calls[op.value] = _make(self, name, datatype, mpi_op, async_op)
+                calls[op.value] = self._call(name, async_op, datatype, mpi_op)
         return calls
 
-    # -- collectives ------------------------------------------------------------------------------
+    # -- collectives: the general path ------------------------------------------------------------
     # The movement spec, and ``view`` in a reduction's spec, is None for the dtypes MPI takes
     # as they are, else the carrier dtype that the buffers are viewed as (bfloat16 -> uint16).
     def all_reduce(self, x, recv, spec, async_op, stream):
         datatype, op, avg, view = spec
-        send = _IN_PLACE if recv is x else [x if view is None else x.view(view), datatype]
-        into = [recv if view is None else recv.view(view), datatype]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Iallreduce, (send, into, op), recv, (x, recv),
-                               "all_reduce", self._divide(recv) if avg else None)
-        self._block("all_reduce", self._comm.Allreduce, send, into, op)
-        if avg:
-            self._divide(recv)()
-        return recv
+        send = _viewed(x, view)
+        done = self._call("all_reduce", async_op, datatype, op)(
+            send, send if recv is x else _viewed(recv, view))
+        return self._finish(done, recv, self._divide(recv) if avg else None)
 
     def reduce(self, x, recv, spec, root, async_op, stream):
         datatype, op, avg, view = spec
-        if self._rank != root:
-            send, into = [x if view is None else x.view(view), datatype], None
-            result = finish = None
-        else:
-            send = _IN_PLACE if recv is x else [x if view is None else x.view(view), datatype]
-            into = [recv if view is None else recv.view(view), datatype]
-            result, finish = recv, (self._divide(recv) if avg else None)
-        if async_op or self._group is not None:
-            return self._start(self._comm.Ireduce, (send, into, op, root), result, (x, recv),
-                               "reduce", finish)
-        self._block("reduce", self._comm.Reduce, send, into, op, root)
-        if finish is not None:
-            finish()
-        return result
+        send = _viewed(x, view)
+        done = self._call("reduce", async_op, datatype, op)(
+            send, send if recv is x else _viewed(recv, view), root)
+        return self._finish(done, recv, self._divide(recv) if avg and recv is not None
+                            else None)
 
     def broadcast(self, x, spec, root, async_op, stream):
-        buf = [x if spec is None else x.view(spec), _BYTE]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Ibcast, (buf, root), x, (x,), "broadcast")
-        self._block("broadcast", self._comm.Bcast, buf, root)
-        return x
+        return self._finish(self._call("broadcast", async_op)(_viewed(x, spec), root), x)
 
     def all_gather(self, x, recv, spec, async_op, stream, unpack=()):
-        send = [x if spec is None else x.view(spec), _BYTE]
-        into = [recv if spec is None else recv.view(spec), _BYTE]
-        # With unpack, the result is the list the parts are copied into.
-        result = [dst for dst, _ in unpack] if unpack else recv
-        finish = self._unpack(unpack) if unpack else None
-        if async_op or self._group is not None:
-            return self._start(self._comm.Iallgather, (send, into), result, (x, recv),
-                               "all_gather", finish)
-        self._block("all_gather", self._comm.Allgather, send, into)
-        if finish is not None:
-            finish()
-        return result
+        done = self._call("all_gather", async_op)(_viewed(x, spec), _viewed(recv, spec))
+        if not unpack:
+            return self._finish(done, recv)
+        # The result is the list the parts are copied into.
+        return self._finish(done, [dst for dst, _ in unpack], self._unpack(unpack))
 
     def reduce_scatter(self, x, recv, spec, async_op, stream):
         datatype, op, avg, view = spec
-        send = [x if view is None else x.view(view), datatype]
-        into = [recv if view is None else recv.view(view), datatype]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Ireduce_scatter_block, (send, into, op), recv,
-                               (x, recv), "reduce_scatter", self._divide(recv) if avg else None)
-        self._block("reduce_scatter", self._comm.Reduce_scatter_block, send, into, op)
-        if avg:
-            self._divide(recv)()
-        return recv
+        done = self._call("reduce_scatter", async_op, datatype, op)(
+            _viewed(x, view), _viewed(recv, view))
+        return self._finish(done, recv, self._divide(recv) if avg else None)
 
     def all_to_all(self, x, recv, spec, async_op, stream):
-        send = [x if spec is None else x.view(spec), _BYTE]
-        into = [recv if spec is None else recv.view(spec), _BYTE]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Ialltoall, (send, into), recv, (x, recv),
-                               "all_to_all")
-        self._block("all_to_all", self._comm.Alltoall, send, into)
-        return recv
+        done = self._call("all_to_all", async_op)(_viewed(x, spec), _viewed(recv, spec))
+        return self._finish(done, recv)
 
     def all_to_all_v(self, x, recv, spec, send_bytes, recv_bytes, async_op, stream):
         """Uneven parts: ``send_bytes[j]`` go to rank ``j``, ``recv_bytes[i]`` come from ``i``."""
-        send = [x if spec is None else x.view(spec), (send_bytes, offsets(send_bytes)), _BYTE]
-        into = [recv if spec is None else recv.view(spec), (recv_bytes, offsets(recv_bytes)),
-                _BYTE]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Ialltoallv, (send, into), recv, (x, recv),
-                               "all_to_all")
-        self._block("all_to_all", self._comm.Alltoallv, send, into)
-        return recv
+        run = self._call("all_to_all_v", async_op, label="all_to_all")
+        return self._finish(run(_viewed(x, spec), send_bytes, _viewed(recv, spec), recv_bytes),
+                            recv)
 
     def scatter(self, x, recv, spec, root, async_op, stream):
-        send = None if self._rank != root else [x if spec is None else x.view(spec), _BYTE]
-        into = [recv if spec is None else recv.view(spec), _BYTE]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Iscatter, (send, into, root), recv, (x, recv),
-                               "scatter")
-        self._block("scatter", self._comm.Scatter, send, into, root)
-        return recv
+        send = _viewed(x, spec) if self._rank == root else None
+        return self._finish(self._call("scatter", async_op)(send, _viewed(recv, spec), root),
+                            recv)
 
     def gather(self, x, recv, spec, root, async_op, stream):
-        send = [x if spec is None else x.view(spec), _BYTE]
-        into = None if self._rank != root else [recv if spec is None else recv.view(spec), _BYTE]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Igather, (send, into, root), recv, (x, recv),
-                               "gather")
-        self._block("gather", self._comm.Gather, send, into, root)
-        return recv
+        into = _viewed(recv, spec) if self._rank == root else None
+        return self._finish(self._call("gather", async_op)(_viewed(x, spec), into, root), recv)
 
     def send(self, x, spec, peer, async_op, stream):
-        buf = [x if spec is None else x.view(spec), _BYTE]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Isend, (buf, peer), None, (x,), "send")
-        self._block("send", self._comm.Send, buf, peer)
-        return None
+        return self._finish(self._call("send", async_op)(_viewed(x, spec), peer), None)
 
     def recv(self, x, spec, peer, async_op, stream):
-        buf = [x if spec is None else x.view(spec), _BYTE]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Irecv, (buf, peer), x, (x,), "recv")
-        self._block("recv", self._comm.Recv, buf, peer)
-        return x
+        return self._finish(self._call("recv", async_op)(_viewed(x, spec), peer), x)
 
     def sendrecv(self, x, spec, dst, buf, src, async_op, stream):
-        send = [x if spec is None else x.view(spec), _BYTE]
-        into = [buf if spec is None else buf.view(spec), _BYTE]
-        if async_op or self._group is not None:
-            return self._start(self._comm.Isendrecv, (send, dst, 0, into, src, 0), buf,
-                               (x, buf), "sendrecv")
-        self._block("sendrecv", self._comm.Sendrecv, send, dst, 0, into, src, 0)
-        return buf
+        done = self._call("sendrecv", async_op)(_viewed(x, spec), dst, _viewed(buf, spec), src)
+        return self._finish(done, buf)
 
     def barrier(self, async_op: bool = False):
-        if async_op or self._group is not None:
-            return self._start(self._comm.Ibarrier, (), None, (), "barrier")
-        self._block("barrier", self._comm.Barrier)
-        return None
+        return self._finish(self._call("barrier", async_op)(), None)
 
     # -- control traffic: what sizes or checks the next call -------------------------------------
     def gather_ints(self, values: Sequence[int], label: str) -> np.ndarray:
@@ -462,9 +540,9 @@ class MPIBackend:
         self._group = None
         if group.kind != "host" or cancel:
             return
-        for work, (call, args) in zip(group.works, group.calls):
-            work._requests = [call(*args)]
-            self._keep_until_done(work)
+        for work, (start, args) in zip(group.works, group.calls):
+            work._requests = [start(*args)]
+            self._inflight.append(work)
         self.wait_all([work._requests[0] for work in group.works], "batch")
         for work in group.works:
             work._complete()
@@ -497,7 +575,7 @@ class MPIBackend:
         """Wait for the started calls whose Work was dropped (MPI may still write into their
         arrays); the communicator owns, and frees, the MPI communicator."""
         pending = [request for work in self._inflight if not work._done
-                   for request in work._requests]
+                   for request in work._requests or ()]
         self._inflight.clear()
         if pending:
             self.wait_all(pending, "close")

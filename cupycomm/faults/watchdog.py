@@ -58,7 +58,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol
 
 from .._bootstrap import describe_rank
 from .._collectives import BY_NAME, CALLS, POINT_TO_POINT
@@ -67,6 +67,9 @@ from .flight import Recorder
 from .abort import abort_job, report_stream
 from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from .heartbeat import Heartbeats
+
+if TYPE_CHECKING:   # the contract only: faults/ does not import the backends
+    from ..backends import Health
 
 __all__ = ["Watched", "Tracker", "watch", "unwatch", "GRACE", "INTERVAL", "HOLD_MARGIN"]
 
@@ -85,7 +88,16 @@ class Watched(Protocol):
 
 
 class Tracker:
-    """One communicator's progress, and what the watchdog needs to judge it."""
+    """One communicator's progress, and what the watchdog needs to judge it: the backends
+    write its marks (:class:`cupycomm.backends.Marks`: ``seq``, ``busy``, ``flight``'s ring)
+    on each call.
+
+    Example (what the host backend does per call)::
+
+        tracker.seq = seq = tracker.seq + 1
+        tracker.flight.calls[seq % tracker.flight.size] = "all_reduce"
+        tracker.busy = "all_reduce"   # while the blocking call lasts, then None
+    """
 
     __slots__ = ("seq", "busy", "name", "rank", "size", "timeout", "board", "beats", "device",
                  "flight", "_waiting", "__weakref__")
@@ -100,7 +112,7 @@ class Tracker:
         self.timeout = timeout
         self.board = board
         self.beats = beats   # the cross-node view, when the communicator spans nodes
-        self.device: Any = None    # the NCCL backend, once there is one
+        self.device: Optional[Health] = None   # the NCCL backend, once there is one
         self.flight = Recorder(name, rank, board, self._progress)   # a slot per call
         self._waiting: Optional[tuple] = None   # ((seq, busy) or "device", since when)
 
@@ -152,7 +164,7 @@ class Tracker:
         """Judge this communicator at time ``now``: publish its progress, end a wait that has
         gone on too long or whose peer is gone, abort device work that stopped progressing.
         Returns whether a call is blocked or device work is pending."""
-        seq, busy = self.seq, self.busy
+        seq, busy, device = self.seq, self.busy, self.device
         name, at = _call(busy, seq) if busy is not None else ("", seq)
         self.flight.look(seq, busy, at)
         if self.board is not None:
@@ -171,26 +183,26 @@ class Tracker:
                 gone = self._gone_peer(name, at, now)
                 if gone:
                     abort_job(f"{gone} while {describe_rank()} waits in {name} #{at}")
-        elif self.device is not None and self.device.has_pending_work():
+        elif device is not None and device.has_pending_work():
             waited = self._waited(("device", seq), now)
             if waited > self.timeout:
-                self._abort_device(f"device collectives up to #{seq} on communicator "
-                                   f"{self.name} have not finished after {waited:.0f} s "
-                                   f"(timeout {self.timeout:g} s)")
+                self._abort_device(device, f"device collectives up to #{seq} on "
+                                   f"communicator {self.name} have not finished after "
+                                   f"{waited:.0f} s (timeout {self.timeout:g} s)")
             elif self.board is not None:
                 # A peer that left cleanly closed its communicator, which waits for its
                 # device work: only a death can leave this rank's NCCL kernels waiting.
                 dead = self._gone_peer("", seq, now, left_counts=False)
                 if dead:
-                    self._abort_device(f"{dead} while device collectives up to #{seq} on "
-                                       f"{describe_rank()} wait", peer_lost=True)
+                    self._abort_device(device, f"{dead} while device collectives up to "
+                                       f"#{seq} on {describe_rank()} wait", peer_lost=True)
         else:
             self._waiting = None
             waiting = False
-        if self.device is not None:
-            error = self.device.async_error()
+        if device is not None:
+            error = device.async_error()
             if error:
-                self._abort_device(f"NCCL reported an asynchronous error: {error}")
+                self._abort_device(device, f"NCCL reported an asynchronous error: {error}")
         return waiting
 
     def _gone_peer(self, name: str, at: int, now: float, left_counts: bool = True) -> str:
@@ -198,7 +210,7 @@ class Tracker:
         that this rank may be waiting for in call ``at`` and that is gone, or '' (see the
         module docstring for when a peer that left counts)."""
         left_counts = left_counts and name not in POINT_TO_POINT
-        for row in self.board.peers():
+        for row in self.board.peers() if self.board is not None else ():
             if row[LEFT]:
                 state = _left(int(row[LEFT]), int(row[SEQ]), row[LEFT_AT] / 1e9, at, now,
                               left_counts)
@@ -221,8 +233,8 @@ class Tracker:
             self._waiting = (key, now)
         return now - self._waiting[1]
 
-    def _abort_device(self, reason: str, peer_lost: bool = False) -> None:
-        if self.device.abort(reason, peer_lost):
+    def _abort_device(self, device: Health, reason: str, peer_lost: bool = False) -> None:
+        if device.abort(reason, peer_lost):
             sys.stderr.write(f"cupycomm watchdog: {reason} on {describe_rank()}; the NCCL "
                              f"communicator was aborted: later device calls raise "
                              f"{'PeerLost' if peer_lost else 'NcclError'}\n")
