@@ -1,4 +1,6 @@
 """init(): idempotence, reuse of an mpi4py communicator, local ranks, devices, arguments."""
+import warnings
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -92,3 +94,89 @@ def test_repr_names_rank_and_state():
     assert f"rank {comm.rank} of {comm.size}" in repr(comm)
     comm.close()
     assert "closed" in repr(comm)
+
+
+# -- does the world MPI formed match the job the launcher started? (init's check_launch) --------
+
+@pytest.fixture
+def local_rank_unchecked(monkeypatch):
+    monkeypatch.setattr(_bootstrap, "_local_rank_checked", False)
+
+
+def library_line():
+    return " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+
+
+@pytest.mark.parametrize("variable", ["SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
+def test_a_world_that_is_not_the_launchers_job_is_an_error(variable):
+    size = MPI.COMM_WORLD.Get_size()
+    environ = {variable: str(size + 2)}
+    with pytest.raises(RuntimeError) as raised:
+        _bootstrap.check_launch(MPI.COMM_WORLD, environ)
+    said = str(raised.value)
+    assert said.startswith(f"init: MPI formed a world of {size} rank"), said
+    assert f"the launcher started {size + 2} ({variable}={size + 2} " in said, said
+    assert "--mpi=pmi2" in said and library_line() in said, said
+    assert ("(a singleton)" in said) == (size == 1), said
+
+
+def test_init_refuses_singletons_before_any_communication(monkeypatch):
+    size = MPI.COMM_WORLD.Get_size()
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", str(3 * size))
+    with pytest.raises(RuntimeError, match=rf"world of {size} rank.*started {3 * size} "):
+        cupycomm.init(MPI.COMM_WORLD)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    with cupycomm.init(MPI.COMM_WORLD) as comm:   # nothing was left half made
+        assert comm.all_reduce(np.ones(1))[0] == size
+
+
+@pytest.mark.parametrize("said", [
+    {},                                                  # no launcher: plain python
+    {"PMI_SIZE": "{size}", "SLURM_STEP_NUM_TASKS": "1"},  # hydra's proxies, one per node
+    {"OMPI_COMM_WORLD_SIZE": "{size}", "PMI_SIZE": "7"},  # mpirun inside a PMI rank
+    {"PMI_SIZE": "", "SLURM_STEP_NUM_TASKS": "many"},     # not numbers: nothing said
+])
+def test_a_world_that_agrees_with_one_launcher_passes(said, local_rank_unchecked):
+    size = MPI.COMM_WORLD.Get_size()
+    _bootstrap.check_launch(MPI.COMM_WORLD, {k: v.format(size=size) for k, v in said.items()})
+
+
+def local_rank():
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    rank = node.Get_rank()
+    node.Free()
+    return rank
+
+
+@pytest.mark.parametrize("variable", ["SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                      "MPI_LOCALRANKID"])
+def test_a_local_rank_the_launcher_disagrees_with_is_said_plainly(variable,
+                                                                  local_rank_unchecked):
+    mine = local_rank()
+    with pytest.warns(_bootstrap.LocalRankWarning) as warned:
+        _bootstrap.check_launch(MPI.COMM_WORLD, {variable: str(mine + 1)})
+    said = str(warned[0].message)
+    assert f"is local rank {mine} of " in said and f"{variable}={mine + 1}" in said, said
+    assert "same GPU" in said and "init(device=" in said, said
+    with warnings.catch_warnings():   # once per process: the next init says nothing
+        warnings.simplefilter("error")
+        _bootstrap.check_launch(MPI.COMM_WORLD, {variable: str(mine + 1)})
+
+
+def test_a_local_rank_that_agrees_with_one_launcher_is_not_warned_about(local_rank_unchecked):
+    mine = local_rank()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _bootstrap.check_launch(MPI.COMM_WORLD, {"SLURM_LOCALID": "0",
+                                                 "MPI_LOCALRANKID": str(mine)})
+
+
+def test_the_local_rank_is_checked_on_the_world_only(local_rank_unchecked):
+    """init(mpi_comm) may run on some ranks only: no collective on the world then."""
+    world = MPI.COMM_WORLD
+    alone = world.Split(world.Get_rank())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _bootstrap.check_launch(alone, {"SLURM_LOCALID": str(local_rank() + 1)})
+    alone.Free()
+    assert not _bootstrap._local_rank_checked

@@ -5,7 +5,10 @@ A launcher's exit status can say 0 for a job that lost a rank (MPICH's hydra, wh
 calls ``os._exit(0)``). So the job gets a directory of its own (``CUPYCOMM_RUN_DIR``), where
 each rank's ``init()`` records how it ended (:mod:`cupycomm.faults.endings`); after the job,
 every rank must have recorded its end, or the status is non-zero and one line on stderr says
-which rank did not finish and why. The directory is removed afterwards.
+which rank did not finish and why. Processes that called ``init()`` in a world of another
+size (singletons: srun without ``--mpi=pmi2``, an ``mpiexec`` of another MPI) leave stray
+records, and make the status non-zero whatever the launcher said; only a program that never
+calls ``init()`` keeps the launcher's status. The directory is removed afterwards.
 
 One failure is the launcher's and not the job's: MPICH's hydra with ``-disable-auto-cleanup``
 on several nodes signals the other nodes' proxies at each rank's exit, and fails (status 255,
@@ -266,12 +269,14 @@ def _ranks(ranks: List[int]) -> str:
 
 def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = "mpiexec",
             stopped_by: Optional[int] = None, died: Sequence[int] = (),
-            launcher_failed: bool = False) -> Tuple[int, str]:
+            launcher_failed: bool = False, strays: Sequence[dict] = ()) -> Tuple[int, str]:
     """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
     left ``records`` (:func:`cupycomm.faults.endings.read`) and whose launcher exited with
     ``returncode`` (negative: killed by that signal); ``died``: ranks seen dead while the
     job ran (named first: the others were killed after them); ``launcher_failed``: the
-    launcher said it failed on its own at the job's end (see the module's docstring).
+    launcher said it failed on its own at the job's end (see the module's docstring);
+    ``strays``: the records of processes whose world was not the job's
+    (:func:`cupycomm.faults.endings.read_strays`).
 
     Example::
 
@@ -286,6 +291,17 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
         return 128 + stopped_by, (f"cupycomm.run: stopped by {signal.Signals(stopped_by).name}, "
                                   f"forwarded to the job; {exited}")
     written = [r for r in records if r is not None]
+    if not written and strays:
+        sizes = sorted({s["size"] for s in strays})
+        raised = next((s for s in strays if s["state"] != endings.RUNNING), strays[0])
+        # the first sentence: the processes have printed the whole of it
+        said = raised["detail"].split(". ")[0].rstrip(".")
+        why = f"; pid {raised['pid']} on {raised['node']} {raised['state']}: {said}" if said else ""
+        return status or 1, (
+            f"cupycomm.run: {len(strays)} process{'es' * (len(strays) != 1)} called "
+            f"cupycomm.init() in a world of {' or '.join(map(str, sizes))} "
+            f"rank{'s' * (sizes != [1])}, none in the job's world of {len(records)}{why}; "
+            f"{exited}")
     if not written:
         if status:
             return status, f"cupycomm.run: {exited}; no rank called cupycomm.init()"
@@ -362,7 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             stderr.finish()
         status, line = verdict(endings.read(directory, options.n), returncode,
                                os.path.basename(launcher.executable), forwarder.signal,
-                               forwarder.died, stderr is not None and stderr.said)
+                               forwarder.died, stderr is not None and stderr.said,
+                               endings.read_strays(directory))
     finally:
         forwarder.restore()
         shutil.rmtree(directory, ignore_errors=True)
