@@ -122,10 +122,12 @@ def test_a_world_that_is_not_the_launchers_job_is_an_error(variable):
 
 def test_init_refuses_singletons_before_any_communication(monkeypatch):
     size = MPI.COMM_WORLD.Get_size()
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", str(3 * size))
+    said = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+    for name in said:   # every launcher this rank may have been started by
+        monkeypatch.setenv(name, str(3 * size))
     with pytest.raises(RuntimeError, match=rf"world of {size} rank.*started {3 * size} "):
         cupycomm.init(MPI.COMM_WORLD)
-    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    monkeypatch.undo()
     with cupycomm.init(MPI.COMM_WORLD) as comm:   # nothing was left half made
         assert comm.all_reduce(np.ones(1))[0] == size
 

@@ -395,3 +395,24 @@ def test_singletons_under_a_launcher_that_exits_0_end_the_job_non_zero(tmp_path)
         "job's world of 3; pid "), err
     assert err.strip().endswith("; srun exited 0"), err
     no_job_directory(tmp_path)
+
+
+@pytest.mark.skipif(launchers.find().kind != "hydra", reason="runs its ranks with hydra")
+def test_srun_is_ended_with_sigterm_which_gives_its_allocation_back(tmp_path):
+    """srun killed leaves its allocation held (the job RUNNING with no task): a stand-in for
+    srun runs the job with hydra, rank 2 exits without finishing while its peers wait in
+    MPI_Finalize, and cupycomm.run ends the stand-in's session with SIGTERM."""
+    fake, real, stopped = tmp_path / "srun", launchers.find().executable, tmp_path / "stopped"
+    fake.write_text(f"#!/bin/sh\n"
+                    f"if [ \"$1\" = --version ]; then echo 'slurm-wlm 22.05.8'; exit 0; fi\n"
+                    f"trap 'echo TERM > {stopped}; exit 143' TERM\n"
+                    f"shift   # --kill-on-bad-exit=0\n"
+                    f"{real} -disable-auto-cleanup \"$@\" &\n"
+                    f"wait\n")
+    fake.chmod(0o755)
+    code, out, err = cupycomm_run(tmp_path, EXITS_0.format(after="pass"), 3,
+                                  "--mpiexec", str(fake), "job.py")
+    assert code == 143, out + err
+    assert stopped.read_text().strip() == "TERM"
+    assert err.strip().splitlines()[-1].startswith("cupycomm.run: rank 2 (host "), err
+    assert err.strip().endswith("srun exited 143"), err

@@ -21,7 +21,8 @@ failed job to cupycomm (hydra: ``-disable-auto-cleanup``; Open MPI: ``--oversubs
 the cores), in a session of its own: SIGINT and SIGTERM reach it once, from here (the
 handlers are installed before the launcher starts; a signal that arrives while it starts is
 forwarded as soon as it has a pid); a second signal, or a job still there 10 s after the
-first, is killed. The status is then 128 + the signal's number, as a shell's.
+first, is killed (srun first with SIGTERM, which gives its allocation back). The status is
+then 128 + the signal's number, as a shell's.
 
 Example::
 
@@ -78,6 +79,10 @@ _PREFIX: Dict[str, Tuple[str, ...]] = {"hydra": ("-prepend-rank",),
                                        "intelmpi": ("-prepend-rank",),
                                        "openmpi": ("--tag-output",), "srun": ("--label",)}
 _EXPORT: Dict[str, str] = {"openmpi": "-x"}
+# How a job's session is ended, where SIGKILL would leave something behind: srun killed gives
+# back no allocation it made (the job stays RUNNING with no task, unless InactiveLimit is set);
+# on SIGTERM it ends its tasks and gives the allocation back.
+_STOP: Dict[str, int] = {"srun": signal.SIGTERM}
 # What a launcher prints when it fails on its own at the end of a job that finished (above).
 _OWN_FAILURE: Dict[str, bytes] = {"hydra": b"unable to send SIGUSR1 downstream"}
 
@@ -174,8 +179,9 @@ class _Forwarder:
     arrives before the launcher has a pid is forwarded once it has one, and never twice.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stop: int = signal.SIGKILL) -> None:
         self.signal: Optional[int] = None   # the first signal that arrived
+        self._stop = stop   # what ends the launcher's session first (see _STOP)
         self.died: List[int] = []   # ranks of this host seen dead without an end recorded
         self._arrived = 0
         self._previous = {s: signal.signal(s, self._handle)
@@ -190,9 +196,9 @@ class _Forwarder:
         """``child``'s exit status, once it has ended. The first signal is forwarded to it; a
         second one, GRACE s without an end after the first, or LOST_GRACE s after a rank of
         this host died without recording its end (its peers could wait in ``MPI_Finalize``
-        forever; the watchdog names it first where they wait in a collective) kill its
-        session."""
-        forwarded_at = lost_at = None
+        forever; the watchdog names it first where they wait in a collective) end its
+        session: with the launcher's stop signal, then SIGKILL GRACE s later."""
+        forwarded_at = lost_at = stopped_at = None
         next_look = time.monotonic()
         while True:
             now = time.monotonic()
@@ -206,7 +212,11 @@ class _Forwarder:
                     lost_at = now
             if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
                     or (lost_at is not None and now - lost_at > LOST_GRACE)):
-                _send(os.killpg, child.pid, signal.SIGKILL)
+                if stopped_at is None:
+                    stopped_at = now
+                    _send(os.killpg, child.pid, self._stop)
+                elif now - stopped_at > GRACE:
+                    _send(os.killpg, child.pid, signal.SIGKILL)
             try:
                 return child.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
@@ -368,7 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env.update(variables)
     argv_ = _job_argv(options, launcher, list(variables))
     own_failure = _OWN_FAILURE.get(launcher.kind)
-    forwarder = _Forwarder()
+    forwarder = _Forwarder(_STOP.get(launcher.kind, signal.SIGKILL))
     try:
         child = subprocess.Popen(argv_, env=env, start_new_session=True,
                                  stderr=subprocess.PIPE if own_failure else None)
