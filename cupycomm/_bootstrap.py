@@ -68,10 +68,11 @@ def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> Non
     ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``): N singletons of size 1 where srun started N
     tasks without ``--mpi=pmi2``, or an ``mpiexec`` of another MPI than the one mpi4py loads.
     When ``comm`` is the world (a collective on it, then: every rank calls ``init()``), also
-    warns (:class:`LocalRankWarning`, once per process) when this rank's place in its node's
-    shared-memory split agrees with none of the launcher's local ranks (``SLURM_LOCALID``,
-    ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``): the default device choice follows
-    the split, so two ranks of one node would pick the same GPU. A warning, not an error:
+    warns (:class:`LocalRankWarning`, once per process) when the launcher's local ranks
+    (``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``) of the ranks in
+    this rank's shared-memory split are not 0 .. size - 1 for any of them: the default
+    device choice follows the split, so two ranks of one node would pick the same GPU.
+    A warning, not an error:
     a program on NumPy arrays runs correctly all the same, and ``init(device=...)`` sets the
     device by the launcher's number.
 
@@ -99,17 +100,24 @@ def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> Non
         return
     _local_rank_checked = True
     node = node_comm(comm)
-    local, on_node = node.Get_rank(), node.Get_size()
+    mine = tuple(_said(environ, (name,)).get(name, -1) for name in _LOCAL_RANK_SAID_BY)
+    seen = node.allgather(mine)
+    on_node = node.Get_size()
     node.Free()
-    said_local = _said(environ, _LOCAL_RANK_SAID_BY)
-    if said_local and local not in said_local.values():
-        said = ", ".join(f"{name}={n}" for name, n in said_local.items())
+    # Compared as sets: a launcher may number a node's ranks in another order than MPI's
+    # split (Open MPI's mpiexec does), which is harmless; what is not is MPI seeing fewer or
+    # other ranks on this node than the launcher put there.
+    numbered = {name: sorted(ids[i] for ids in seen)
+                for i, name in enumerate(_LOCAL_RANK_SAID_BY) if mine[i] >= 0}
+    if numbered and all(ids != list(range(on_node)) for ids in numbered.values()):
+        said = ", ".join(f"{name} {ids}" for name, ids in numbered.items())
         warnings.warn(
-            f"cupycomm: {describe_rank()} is local rank {local} of {on_node} in MPI's "
-            f"shared-memory split of node {node_name()}, but its launcher says {said}: MPI "
-            f"does not see the ranks that share this node (Open MPI under srun's pmix, for "
-            f"one), and the default device choice follows MPI, so ranks of this node may "
-            f"pick the same GPU; pass init(device=...) from the launcher's local rank",
+            f"cupycomm: on {describe_rank()}, MPI's shared-memory split of node "
+            f"{node_name()} holds {on_node} rank{'s' * (on_node != 1)}, but the launcher's "
+            f"local ranks of those are {said}: MPI does not see the ranks that share this "
+            f"node (Open MPI under srun's pmix, for one), and the default device choice "
+            f"follows MPI, so ranks of this node may pick the same GPU; pass "
+            f"init(device=...) from the launcher's local rank",
             LocalRankWarning, stacklevel=3)
 
 

@@ -143,34 +143,40 @@ def test_a_world_that_agrees_with_one_launcher_passes(said, local_rank_unchecked
     _bootstrap.check_launch(MPI.COMM_WORLD, {k: v.format(size=size) for k, v in said.items()})
 
 
-def local_rank():
+def node_size():
     node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    rank = node.Get_rank()
+    rank, size = node.Get_rank(), node.Get_size()
     node.Free()
-    return rank
+    return rank, size
 
 
 @pytest.mark.parametrize("variable", ["SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK",
                                       "MPI_LOCALRANKID"])
-def test_a_local_rank_the_launcher_disagrees_with_is_said_plainly(variable,
-                                                                  local_rank_unchecked):
-    mine = local_rank()
+def test_a_node_the_launcher_numbers_otherwise_is_said_plainly(variable,
+                                                               local_rank_unchecked):
+    mine, size = node_size()
     with pytest.warns(_bootstrap.LocalRankWarning) as warned:
         _bootstrap.check_launch(MPI.COMM_WORLD, {variable: str(mine + 1)})
     said = str(warned[0].message)
-    assert f"is local rank {mine} of " in said and f"{variable}={mine + 1}" in said, said
+    assert f"split of node {_bootstrap.node_name()} holds {size} rank" in said, said
+    assert f"local ranks of those are {variable} {list(range(1, size + 1))}" in said, said
     assert "same GPU" in said and "init(device=" in said, said
     with warnings.catch_warnings():   # once per process: the next init says nothing
         warnings.simplefilter("error")
         _bootstrap.check_launch(MPI.COMM_WORLD, {variable: str(mine + 1)})
 
 
-def test_a_local_rank_that_agrees_with_one_launcher_is_not_warned_about(local_rank_unchecked):
-    mine = local_rank()
+@pytest.mark.parametrize("said", [
+    {"SLURM_LOCALID": "0", "MPI_LOCALRANKID": "{mine}"},   # agrees with one launcher
+    {"OMPI_COMM_WORLD_LOCAL_RANK": "{reversed}"},   # another order (Open MPI's mpiexec)
+    {"SLURM_LOCALID": "not a number"},
+])
+def test_a_node_the_launcher_numbers_alike_is_not_warned_about(said, local_rank_unchecked):
+    mine, size = node_size()
+    environ = {k: v.format(mine=mine, reversed=size - 1 - mine) for k, v in said.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _bootstrap.check_launch(MPI.COMM_WORLD, {"SLURM_LOCALID": "0",
-                                                 "MPI_LOCALRANKID": str(mine)})
+        _bootstrap.check_launch(MPI.COMM_WORLD, environ)
 
 
 def test_the_local_rank_is_checked_on_the_world_only(local_rank_unchecked):
@@ -179,6 +185,6 @@ def test_the_local_rank_is_checked_on_the_world_only(local_rank_unchecked):
     alone = world.Split(world.Get_rank())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _bootstrap.check_launch(alone, {"SLURM_LOCALID": str(local_rank() + 1)})
+        _bootstrap.check_launch(alone, {"SLURM_LOCALID": str(node_size()[0] + 1)})
     alone.Free()
     assert not _bootstrap._local_rank_checked
