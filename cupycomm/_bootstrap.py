@@ -8,13 +8,14 @@ import atexit
 import os
 import socket
 import sys
+import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from mpi4py import MPI
 
-__all__ = ["world", "node_comm", "node_name", "choose_device", "import_cupy", "broadcast_unique_id",
-           "track_for_exit", "describe_rank", "exiting"]
+__all__ = ["world", "node_comm", "node_name", "check_launch", "LocalRankWarning", "choose_device",
+           "import_cupy", "broadcast_unique_id", "track_for_exit", "describe_rank", "exiting"]
 
 
 def world() -> MPI.Comm:
@@ -29,8 +30,95 @@ def node_comm(comm: MPI.Comm) -> MPI.Comm:
 
 def node_name() -> str:
     """This node's name: the launcher's (MPICH's hydra says PMI_HOSTNAME, the name it was
-    given, which may be a simulated node's), else the host's."""
-    return os.environ.get("PMI_HOSTNAME") or socket.gethostname()
+    given, which may be a simulated node's; srun SLURMD_NODENAME, its slurmd's), else the
+    host's."""
+    return (os.environ.get("PMI_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
+            or socket.gethostname())
+
+
+# What each launcher tells its ranks: the number of ranks it started, and each rank's place
+# on its node (measured with srun 22.05, the MPICH 4, Intel MPI 2021 and Open MPI 5 wheels'
+# launchers; cupycomm.launchers.KINDS lists all they set). A launcher started from inside
+# another's rank (hydra's proxies under srun, say) leaves the outer one's variables beside its
+# own: the world must agree with one of them, not with all. The salloc/sbatch shell's
+# SLURM_NTASKS is the allocation's, not a job's: srun's is SLURM_STEP_NUM_TASKS.
+_SIZE_SAID_BY: Dict[str, str] = {
+    "OMPI_COMM_WORLD_SIZE": "Open MPI's mpiexec",
+    "PMI_SIZE": "a PMI launcher (MPICH's or Intel MPI's mpiexec, srun --mpi=pmi2)",
+    "SLURM_STEP_NUM_TASKS": "srun",
+}
+_LOCAL_RANK_SAID_BY = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+_local_rank_checked = False
+
+
+class LocalRankWarning(RuntimeWarning):
+    """The MPI library and the launcher disagree about a rank's place on its node."""
+
+
+def _said(environ: Mapping[str, str], names: Tuple[str, ...]) -> Dict[str, int]:
+    return {name: int(environ[name]) for name in names
+            if environ.get(name, "").strip().isdigit()}
+
+
+def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> None:
+    """Check that the world MPI formed is the job the launcher started; ``init()`` calls it.
+
+    Raises RuntimeError (on every process alike, before any communication) when the world's
+    size agrees with none of the sizes the launcher gave (``SLURM_STEP_NUM_TASKS``,
+    ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``): N singletons of size 1 where srun started N
+    tasks without ``--mpi=pmi2``, or an ``mpiexec`` of another MPI than the one mpi4py loads.
+    When ``comm`` is the world (a collective on it, then: every rank calls ``init()``), also
+    warns (:class:`LocalRankWarning`, once per process) when the launcher's local ranks
+    (``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``) of the ranks in
+    this rank's shared-memory split are not 0 .. size - 1 for any of them: the default
+    device choice follows the split, so two ranks of one node would pick the same GPU.
+    A warning, not an error:
+    a program on NumPy arrays runs correctly all the same, and ``init(device=...)`` sets the
+    device by the launcher's number.
+
+    Example::
+
+        check_launch(world(), {"SLURM_STEP_NUM_TASKS": "3"})   # in a world of 1: raises
+    """
+    global _local_rank_checked
+    size = world().Get_size()
+    sizes = _said(environ, tuple(_SIZE_SAID_BY))
+    if sizes and size not in sizes.values():
+        said = ", ".join(f"{name}={n} ({_SIZE_SAID_BY[name]})" for name, n in sizes.items())
+        library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+        raise RuntimeError(
+            f"init: MPI formed a world of {size} rank{'s' * (size != 1)}, but the launcher "
+            f"started {max(sizes.values())} ({said}): "
+            + ("each process is a world of its own (a singleton). " if size == 1 else "")
+            + f"The launcher must speak the process-management interface of the MPI that "
+            f"mpi4py loads ({library}): under srun, --mpi=pmi2 for MPICH and Intel MPI or "
+            f"--mpi=pmix for Open MPI (srun --mpi=list says which this Slurm has); else that "
+            f"MPI's own mpiexec (python -m cupycomm.launchers names the one found here). A "
+            f"program started from inside a rank inherits these variables: start it with "
+            f"cupycomm.launchers.nested_environment(os.environ).")
+    if _local_rank_checked or comm != world():
+        return
+    _local_rank_checked = True
+    node = node_comm(comm)
+    mine = tuple(_said(environ, (name,)).get(name, -1) for name in _LOCAL_RANK_SAID_BY)
+    seen = node.allgather(mine)
+    on_node = node.Get_size()
+    node.Free()
+    # Compared as sets: a launcher may number a node's ranks in another order than MPI's
+    # split (Open MPI's mpiexec does), which is harmless; what is not is MPI seeing fewer or
+    # other ranks on this node than the launcher put there.
+    numbered = {name: sorted(ids[i] for ids in seen)
+                for i, name in enumerate(_LOCAL_RANK_SAID_BY) if mine[i] >= 0}
+    if numbered and all(ids != list(range(on_node)) for ids in numbered.values()):
+        said = ", ".join(f"{name} {ids}" for name, ids in numbered.items())
+        warnings.warn(
+            f"cupycomm: on {describe_rank()}, MPI's shared-memory split of node "
+            f"{node_name()} holds {on_node} rank{'s' * (on_node != 1)}, but the launcher's "
+            f"local ranks of those are {said}: MPI does not see the ranks that share this "
+            f"node (Open MPI under srun's pmix, for one), and the default device choice "
+            f"follows MPI, so ranks of this node may pick the same GPU; pass "
+            f"init(device=...) from the launcher's local rank",
+            LocalRankWarning, stacklevel=3)
 
 
 def describe_rank(rank: Optional[int] = None) -> str:

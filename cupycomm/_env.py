@@ -77,8 +77,8 @@ VARIABLES: Tuple[Variable, ...] = (
              "the job directory where each rank records how it ended (set by python -m "
              "cupycomm.run)"),
     Variable("CUPYCOMM_RUN_SIZE", _count, 0,
-             "the number of ranks of that job: a process of another world size (a program "
-             "a rank starts) records nothing there (set by python -m cupycomm.run)"),
+             "the number of ranks of that job: a process of another world size (a singleton, "
+             "a program a rank starts) records a stray there (set by python -m cupycomm.run)"),
     Variable("CUPYCOMM_BENCH_COMMAND", _text, "",
              "the command line python -m cupycomm.bench records (set by benchmarks/run_matrix)"),
 )

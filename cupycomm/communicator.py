@@ -860,6 +860,7 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
     parent = _bootstrap.world() if mpi_comm is None else mpi_comm
     if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
         raise TypeError(f"init: mpi_comm must be an mpi4py communicator, got {parent!r}")
+    _bootstrap.check_launch(parent)   # N singletons where the launcher started N: an error
     comm = Communicator(parent.Dup(), device=device, device_module=device_module,
                         timeout=timeout, debug=debug,
                         name="world" if mpi_comm is None else "mpi_comm")

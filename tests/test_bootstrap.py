@@ -1,4 +1,6 @@
 """init(): idempotence, reuse of an mpi4py communicator, local ranks, devices, arguments."""
+import warnings
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -92,3 +94,97 @@ def test_repr_names_rank_and_state():
     assert f"rank {comm.rank} of {comm.size}" in repr(comm)
     comm.close()
     assert "closed" in repr(comm)
+
+
+# -- does the world MPI formed match the job the launcher started? (init's check_launch) --------
+
+@pytest.fixture
+def local_rank_unchecked(monkeypatch):
+    monkeypatch.setattr(_bootstrap, "_local_rank_checked", False)
+
+
+def library_line():
+    return " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+
+
+@pytest.mark.parametrize("variable", ["SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
+def test_a_world_that_is_not_the_launchers_job_is_an_error(variable):
+    size = MPI.COMM_WORLD.Get_size()
+    environ = {variable: str(size + 2)}
+    with pytest.raises(RuntimeError) as raised:
+        _bootstrap.check_launch(MPI.COMM_WORLD, environ)
+    said = str(raised.value)
+    assert said.startswith(f"init: MPI formed a world of {size} rank"), said
+    assert f"the launcher started {size + 2} ({variable}={size + 2} " in said, said
+    assert "--mpi=pmi2" in said and library_line() in said, said
+    assert ("(a singleton)" in said) == (size == 1), said
+
+
+def test_init_refuses_singletons_before_any_communication(monkeypatch):
+    size = MPI.COMM_WORLD.Get_size()
+    said = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+    for name in said:   # every launcher this rank may have been started by
+        monkeypatch.setenv(name, str(3 * size))
+    with pytest.raises(RuntimeError, match=rf"world of {size} rank.*started {3 * size} "):
+        cupycomm.init(MPI.COMM_WORLD)
+    monkeypatch.undo()
+    with cupycomm.init(MPI.COMM_WORLD) as comm:   # nothing was left half made
+        assert comm.all_reduce(np.ones(1))[0] == size
+
+
+@pytest.mark.parametrize("said", [
+    {},                                                  # no launcher: plain python
+    {"PMI_SIZE": "{size}", "SLURM_STEP_NUM_TASKS": "1"},  # hydra's proxies, one per node
+    {"OMPI_COMM_WORLD_SIZE": "{size}", "PMI_SIZE": "7"},  # mpirun inside a PMI rank
+    {"PMI_SIZE": "", "SLURM_STEP_NUM_TASKS": "many"},     # not numbers: nothing said
+])
+def test_a_world_that_agrees_with_one_launcher_passes(said, local_rank_unchecked):
+    size = MPI.COMM_WORLD.Get_size()
+    _bootstrap.check_launch(MPI.COMM_WORLD, {k: v.format(size=size) for k, v in said.items()})
+
+
+def node_size():
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    rank, size = node.Get_rank(), node.Get_size()
+    node.Free()
+    return rank, size
+
+
+@pytest.mark.parametrize("variable", ["SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                      "MPI_LOCALRANKID"])
+def test_a_node_the_launcher_numbers_otherwise_is_said_plainly(variable,
+                                                               local_rank_unchecked):
+    mine, size = node_size()
+    with pytest.warns(_bootstrap.LocalRankWarning) as warned:
+        _bootstrap.check_launch(MPI.COMM_WORLD, {variable: str(mine + 1)})
+    said = str(warned[0].message)
+    assert f"split of node {_bootstrap.node_name()} holds {size} rank" in said, said
+    assert f"local ranks of those are {variable} {list(range(1, size + 1))}" in said, said
+    assert "same GPU" in said and "init(device=" in said, said
+    with warnings.catch_warnings():   # once per process: the next init says nothing
+        warnings.simplefilter("error")
+        _bootstrap.check_launch(MPI.COMM_WORLD, {variable: str(mine + 1)})
+
+
+@pytest.mark.parametrize("said", [
+    {"SLURM_LOCALID": "0", "MPI_LOCALRANKID": "{mine}"},   # agrees with one launcher
+    {"OMPI_COMM_WORLD_LOCAL_RANK": "{reversed}"},   # another order (Open MPI's mpiexec)
+    {"SLURM_LOCALID": "not a number"},
+])
+def test_a_node_the_launcher_numbers_alike_is_not_warned_about(said, local_rank_unchecked):
+    mine, size = node_size()
+    environ = {k: v.format(mine=mine, reversed=size - 1 - mine) for k, v in said.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _bootstrap.check_launch(MPI.COMM_WORLD, environ)
+
+
+def test_the_local_rank_is_checked_on_the_world_only(local_rank_unchecked):
+    """init(mpi_comm) may run on some ranks only: no collective on the world then."""
+    world = MPI.COMM_WORLD
+    alone = world.Split(world.Get_rank())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _bootstrap.check_launch(alone, {"SLURM_LOCALID": str(node_size()[0] + 1)})
+    alone.Free()
+    assert not _bootstrap._local_rank_checked

@@ -50,6 +50,24 @@ def test_each_launcher_is_named_by_what_its_version_says(tmp_path, kind):
     assert os.path.isabs(launcher.executable)
 
 
+@pytest.mark.parametrize("said", [
+    "slurm-wlm 22.05.8\n",   # Debian's and Ubuntu's build
+    "slurm 20.11.9\n",
+    # an srun that finds no slurm.conf (SLURM_CONF unset, no DNS SRV record), as measured
+    "srun: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\n"
+    "srun: fatal: Could not establish a configuration source\n",
+])
+def test_srun_is_recognised_in_every_spelling(tmp_path, said):
+    launcher = find(fake(tmp_path, "srun", said))
+    assert launcher.kind == "srun", launcher
+    assert launcher.command(2, leave_cleanup_to_cupycomm=True)[1:] == [
+        "--kill-on-bad-exit=0", "-n", "2"]
+
+
+def test_another_launchers_words_are_not_srun(tmp_path):
+    assert find(fake(tmp_path, "mpiexec", "slurmish 1.0\nsrun-like\n")).kind == "other"
+
+
 def test_find_prefers_the_argument_then_MPIEXEC_then_the_one_beside_python_then_PATH(
         tmp_path, monkeypatch):
     on_path = fake(tmp_path, "mpiexec", VERSIONS["hydra"], where="path")
@@ -126,7 +144,8 @@ GIVEN = {
     "intelmpi": ["PMI_RANK", "PMI_FD", "HYDRA_BSTRAP_UPSTREAM_FD", "HYDRA_LAUNCH_TYPE",
                  "I_MPI_HYDRA_UUID", "I_MPI_INFO_NP", "I_MPI_PIN_MAPPING"],
     "srun": ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_STEPID",
-             "SLURM_SRUN_COMM_PORT", "SLURM_CPU_BIND_LIST", "PMI_RANK", "PMIX_RANK"],
+             "SLURM_SRUN_COMM_PORT", "SLURM_CPU_BIND_LIST", "PMI_RANK", "PMIX_RANK",
+             "SLURM_STEP_NUM_TASKS", "SLURMD_NODENAME"],
 }
 CONFIGURATION = ["OMPI_MCA_btl_tcp_if_include", "OMPI_MCA_rmaps_base_oversubscribe",
                  "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "PMIX_MCA_gds",

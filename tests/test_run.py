@@ -348,3 +348,71 @@ def test_a_program_a_rank_starts_does_not_record_over_the_ranks(tmp_path):
     """))
     job = run_job(2, str(script), timeout=120)
     assert job.returncode == 0, job.output
+
+
+def stray(state, detail=""):
+    return {"rank": 0, "size": 1, "node": "node1", "host": "vm", "pid": 40, "state": state,
+            "detail": detail}
+
+
+def test_singletons_fail_the_job_whatever_the_launcher_says():
+    raised = stray("raised", "RuntimeError: init: MPI formed a world of 1 rank, but the "
+                             "launcher started 3 (SLURM_STEP_NUM_TASKS=3 (srun)). Advice.")
+    assert launch.verdict([None] * 3, 0, "srun", strays=[stray("running"), raised]) == (
+        1, "cupycomm.run: 2 processes called cupycomm.init() in a world of 1 rank, none in "
+           "the job's world of 3; pid 40 on node1 raised: RuntimeError: init: MPI formed a "
+           "world of 1 rank, but the launcher started 3 (SLURM_STEP_NUM_TASKS=3 (srun)); "
+           "srun exited 0")
+    assert launch.verdict([None] * 3, 5, strays=[stray("ended")])[0] == 5
+
+
+def test_a_stray_beside_ranks_that_all_ended_changes_nothing():
+    ended = [record(0, "ended"), record(1, "ended")]
+    assert launch.verdict(ended, 0, strays=[stray("raised", "ValueError: x")]) == (0, "")
+
+
+def test_singletons_under_a_launcher_that_exits_0_end_the_job_non_zero(tmp_path):
+    """A launcher that starts its processes as srun --mpi=none does (each one an MPI world of
+    its own, told SLURM_STEP_NUM_TASKS) and exits 0 whatever they did: cupycomm.run ends
+    non-zero, naming the singletons, and each process said why at init()."""
+    fake = tmp_path / "srun"
+    fake.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        if [ "$1" = --version ]; then echo 'slurm-wlm 22.05.8'; exit 0; fi
+        while [ "$1" != -n ]; do shift; done
+        n=$2; shift 2
+        for i in $(seq $n); do SLURM_STEP_NUM_TASKS=$n SLURM_PROCID=$((i - 1)) "$@" & done
+        wait
+        exit 0
+        """))
+    fake.chmod(0o755)
+    code, out, err = cupycomm_run(tmp_path, FINISHES, 3, "--mpiexec", str(fake), "job.py")
+    assert code == 1, out + err
+    assert err.count("RuntimeError: init: MPI formed a world of 1 rank, but the launcher "
+                     "started 3 (SLURM_STEP_NUM_TASKS=3 (srun))") >= 3, err
+    assert err.strip().splitlines()[-1].startswith(
+        "cupycomm.run: 3 processes called cupycomm.init() in a world of 1 rank, none in the "
+        "job's world of 3; pid "), err
+    assert err.strip().endswith("; srun exited 0"), err
+    no_job_directory(tmp_path)
+
+
+@pytest.mark.skipif(launchers.find().kind != "hydra", reason="runs its ranks with hydra")
+def test_srun_is_ended_with_sigterm_which_gives_its_allocation_back(tmp_path):
+    """srun killed leaves its allocation held (the job RUNNING with no task): a stand-in for
+    srun runs the job with hydra, rank 2 exits without finishing while its peers wait in
+    MPI_Finalize, and cupycomm.run ends the stand-in's session with SIGTERM."""
+    fake, real, stopped = tmp_path / "srun", launchers.find().executable, tmp_path / "stopped"
+    fake.write_text(f"#!/bin/sh\n"
+                    f"if [ \"$1\" = --version ]; then echo 'slurm-wlm 22.05.8'; exit 0; fi\n"
+                    f"trap 'echo TERM > {stopped}; exit 143' TERM\n"
+                    f"shift   # --kill-on-bad-exit=0\n"
+                    f"{real} -disable-auto-cleanup \"$@\" &\n"
+                    f"wait\n")
+    fake.chmod(0o755)
+    code, out, err = cupycomm_run(tmp_path, EXITS_0.format(after="pass"), 3,
+                                  "--mpiexec", str(fake), "job.py")
+    assert code == 143, out + err
+    assert stopped.read_text().strip() == "TERM"
+    assert err.strip().splitlines()[-1].startswith("cupycomm.run: rank 2 (host "), err
+    assert err.strip().endswith("srun exited 143"), err

@@ -10,9 +10,13 @@ its launcher named it, the host as the OS knows it, and its pid):
 - ``aborted``: cupycomm ended the job (the watchdog or the abort handler; why, in ``detail``).
 
 A record still ``running`` after the job is over belongs to a rank that ended without
-finishing: ``os._exit``, a signal, a crash, or a peer's ``MPI_Abort``. Ranks not started by
-``cupycomm.run`` (the variable unset) write nothing. Each write replaces the file whole, so a
-reader never sees half a record.
+finishing: ``os._exit``, a signal, a crash, or a peer's ``MPI_Abort``. A process whose world
+is not of the job's size (``CUPYCOMM_RUN_SIZE``) is not one of its ranks: it records the same
+states in ``stray-<host>-<pid>.json`` (a singleton, where the launcher and the MPI did not
+form one world; a program a rank started), so that ``cupycomm.run`` can tell singletons from
+a program that never called ``init()``. Processes not started by ``cupycomm.run`` (the
+variable unset) write nothing. Each write replaces the file whole, so a reader never sees
+half a record.
 
 Example (what the launcher side reads after the job)::
 
@@ -22,6 +26,7 @@ Example (what the launcher side reads after the job)::
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
 import socket
@@ -31,7 +36,7 @@ from typing import List, Optional
 from .. import _bootstrap, _env
 from ..faults import private
 
-__all__ = ["start", "record", "read", "RUNNING", "ENDED", "RAISED", "ABORTED"]
+__all__ = ["start", "record", "read", "read_strays", "RUNNING", "ENDED", "RAISED", "ABORTED"]
 
 RUNNING, ENDED, RAISED, ABORTED = "running", "ended", "raised", "aborted"
 
@@ -44,15 +49,16 @@ def _record_path(directory: str, rank: int) -> str:
 
 def start() -> None:
     """Write this rank's ``running`` record and record its end at exit; only under
-    ``cupycomm.run`` (CUPYCOMM_RUN_DIR set), in a world of the job's size (a program that
-    a rank starts and that inherited the variables records nothing), once per process."""
+    ``cupycomm.run`` (CUPYCOMM_RUN_DIR set), once per process; a stray record where the
+    world is not of the job's size."""
     global _path
     directory = _env.read("CUPYCOMM_RUN_DIR")
     if _path is not None or not directory:
         return
     if _bootstrap.world().Get_size() != _env.read("CUPYCOMM_RUN_SIZE"):
-        return
-    _path = _record_path(directory, _bootstrap.world().Get_rank())
+        _path = os.path.join(directory, f"stray-{socket.gethostname()}-{os.getpid()}.json")
+    else:
+        _path = _record_path(directory, _bootstrap.world().Get_rank())
     record(RUNNING)
     atexit.register(_at_exit)
 
@@ -62,9 +68,10 @@ def record(state: str, detail: str = "") -> None:
     has not written one."""
     if _path is None:
         return
-    text = json.dumps({"rank": _bootstrap.world().Get_rank(), "node": _bootstrap.node_name(),
-                       "host": socket.gethostname(), "pid": os.getpid(), "state": state,
-                       "detail": detail})
+    world = _bootstrap.world()
+    text = json.dumps({"rank": world.Get_rank(), "size": world.Get_size(),
+                       "node": _bootstrap.node_name(), "host": socket.gethostname(),
+                       "pid": os.getpid(), "state": state, "detail": detail})
     try:
         private.replace_file(_path, text)
     except OSError as error:   # the directory is gone (the launcher ended): say so, go on
@@ -91,3 +98,15 @@ def read(directory: str, size: int) -> List[Optional[dict]]:
         except (OSError, ValueError):
             records.append(None)
     return records
+
+
+def read_strays(directory: str) -> List[dict]:
+    """The stray records in ``directory``: processes whose world was not of the job's size."""
+    strays = []
+    for path in sorted(glob.glob(os.path.join(directory, "stray-*.json"))):
+        try:
+            with open(path) as f:
+                strays.append(json.load(f))
+        except (OSError, ValueError):
+            pass
+    return strays

@@ -5,7 +5,10 @@ A launcher's exit status can say 0 for a job that lost a rank (MPICH's hydra, wh
 calls ``os._exit(0)``). So the job gets a directory of its own (``CUPYCOMM_RUN_DIR``), where
 each rank's ``init()`` records how it ended (:mod:`cupycomm.run.exit_records`); after the job,
 every rank must have recorded its end, or the status is non-zero and one line on stderr says
-which rank did not finish and why. The directory is removed afterwards.
+which rank did not finish and why. Processes that called ``init()`` in a world of another
+size (singletons: srun without ``--mpi=pmi2``, an ``mpiexec`` of another MPI) leave stray
+records, and make the status non-zero whatever the launcher said; only a program that never
+calls ``init()`` keeps the launcher's status. The directory is removed afterwards.
 
 One failure is the launcher's and not the job's: MPICH's hydra with ``-disable-auto-cleanup``
 on several nodes signals the other nodes' proxies at each rank's exit, and fails (status 255,
@@ -18,7 +21,8 @@ failed job to cupycomm (hydra: ``-disable-auto-cleanup``; Open MPI: ``--oversubs
 the cores), in a session of its own: SIGINT and SIGTERM reach it once, from here (the
 handlers are installed before the launcher starts; a signal that arrives while it starts is
 forwarded as soon as it has a pid); a second signal, or a job still there 10 s after the
-first, is killed. The status is then 128 + the signal's number, as a shell's.
+first, is killed (srun first with SIGTERM, which gives its allocation back). The status is
+then 128 + the signal's number, as a shell's.
 
 Example::
 
@@ -74,6 +78,10 @@ _PREFIX: Dict[str, Tuple[str, ...]] = {"hydra": ("-prepend-rank",),
                                        "intelmpi": ("-prepend-rank",),
                                        "openmpi": ("--tag-output",), "srun": ("--label",)}
 _EXPORT: Dict[str, str] = {"openmpi": "-x"}
+# How a job's session is ended, where SIGKILL would leave something behind: srun killed gives
+# back no allocation it made (the job stays RUNNING with no task, unless InactiveLimit is set);
+# on SIGTERM it ends its tasks and gives the allocation back.
+_STOP: Dict[str, int] = {"srun": signal.SIGTERM}
 # What a launcher prints when it fails on its own at the end of a job that finished (above).
 _OWN_FAILURE: Dict[str, bytes] = {"hydra": b"unable to send SIGUSR1 downstream"}
 
@@ -170,8 +178,9 @@ class _Forwarder:
     arrives before the launcher has a pid is forwarded once it has one, and never twice.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stop: int = signal.SIGKILL) -> None:
         self.signal: Optional[int] = None   # the first signal that arrived
+        self._stop = stop   # what ends the launcher's session first (see _STOP)
         self.died: List[int] = []   # ranks of this host seen dead without an end recorded
         self._arrived = 0
         self._previous = {s: signal.signal(s, self._handle)
@@ -186,9 +195,9 @@ class _Forwarder:
         """``child``'s exit status, once it has ended. The first signal is forwarded to it; a
         second one, GRACE s without an end after the first, or LOST_GRACE s after a rank of
         this host died without recording its end (its peers could wait in ``MPI_Finalize``
-        forever; the watchdog names it first where they wait in a collective) kill its
-        session."""
-        forwarded_at = lost_at = None
+        forever; the watchdog names it first where they wait in a collective) end its
+        session: with the launcher's stop signal, then SIGKILL GRACE s later."""
+        forwarded_at = lost_at = stopped_at = None
         next_look = time.monotonic()
         while True:
             now = time.monotonic()
@@ -202,7 +211,11 @@ class _Forwarder:
                     lost_at = now
             if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
                     or (lost_at is not None and now - lost_at > LOST_GRACE)):
-                _send(os.killpg, child.pid, signal.SIGKILL)
+                if stopped_at is None:
+                    stopped_at = now
+                    _send(os.killpg, child.pid, self._stop)
+                elif now - stopped_at > GRACE:
+                    _send(os.killpg, child.pid, signal.SIGKILL)
             try:
                 return child.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
@@ -265,12 +278,14 @@ def _ranks(ranks: List[int]) -> str:
 
 def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = "mpiexec",
             stopped_by: Optional[int] = None, died: Sequence[int] = (),
-            launcher_failed: bool = False) -> Tuple[int, str]:
+            launcher_failed: bool = False, strays: Sequence[dict] = ()) -> Tuple[int, str]:
     """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
     left ``records`` (:func:`cupycomm.run.exit_records.read`) and whose launcher exited with
     ``returncode`` (negative: killed by that signal); ``died``: ranks seen dead while the
     job ran (named first: the others were killed after them); ``launcher_failed``: the
-    launcher said it failed on its own at the job's end (see the module's docstring).
+    launcher said it failed on its own at the job's end (see the module's docstring);
+    ``strays``: the records of processes whose world was not the job's
+    (:func:`cupycomm.faults.endings.read_strays`).
 
     Example::
 
@@ -285,6 +300,17 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
         return 128 + stopped_by, (f"cupycomm.run: stopped by {signal.Signals(stopped_by).name}, "
                                   f"forwarded to the job; {exited}")
     written = [r for r in records if r is not None]
+    if not written and strays:
+        sizes = sorted({s["size"] for s in strays})
+        raised = next((s for s in strays if s["state"] != endings.RUNNING), strays[0])
+        # the first sentence: the processes have printed the whole of it
+        said = raised["detail"].split(". ")[0].rstrip(".")
+        why = f"; pid {raised['pid']} on {raised['node']} {raised['state']}: {said}" if said else ""
+        return status or 1, (
+            f"cupycomm.run: {len(strays)} process{'es' * (len(strays) != 1)} called "
+            f"cupycomm.init() in a world of {' or '.join(map(str, sizes))} "
+            f"rank{'s' * (sizes != [1])}, none in the job's world of {len(records)}{why}; "
+            f"{exited}")
     if not written:
         if status:
             return status, f"cupycomm.run: {exited}; no rank called cupycomm.init()"
@@ -351,7 +377,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env.update(variables)
     argv_ = _job_argv(options, launcher, list(variables))
     own_failure = _OWN_FAILURE.get(launcher.kind)
-    forwarder = _Forwarder()
+    forwarder = _Forwarder(_STOP.get(launcher.kind, signal.SIGKILL))
     try:
         child = subprocess.Popen(argv_, env=env, start_new_session=True,
                                  stderr=subprocess.PIPE if own_failure else None)
@@ -361,7 +387,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             stderr.finish()
         status, line = verdict(exit_records.read(directory, options.n), returncode,
                                os.path.basename(launcher.executable), forwarder.signal,
-                               forwarder.died, stderr is not None and stderr.said)
+                               forwarder.died, stderr is not None and stderr.said,
+                               endings.read_strays(directory))
     finally:
         forwarder.restore()
         shutil.rmtree(directory, ignore_errors=True)

@@ -9,7 +9,10 @@ kind          launcher                                    ``--version`` says
 ``openmpi``   Open MPI's ``mpiexec``/``mpirun``, PRRTE    ``mpiexec (Open MPI) 5.0.11``
 ``intelmpi``  Intel MPI's ``mpiexec`` (a hydra of its     ``Intel(R) MPI Library ...``
               own)
-``srun``      Slurm                                       ``slurm 23.11.4``
+``srun``      Slurm                                       ``slurm 23.11.4``, Debian's and
+                                                          Ubuntu's ``slurm-wlm 22.05.8``;
+                                                          ``srun: ...`` where it finds no
+                                                          configuration
 ============  ==========================================  =================================
 
 Anything else is ``other``: it gets a plain ``-n N``. :func:`find` names the launcher of the
@@ -77,14 +80,16 @@ KINDS: Dict[str, _Kind] = {
                                 "OMPI_MCA_orte_*", "OMPI_MCA_ess", "OMPI_MCA_ess_base_*",
                                 "OMPI_MCA_pmix", "OMPI_MCA_shmem_RUNTIME_QUERY_hint")),
     "srun": _Kind(
-        signature=r"^slurm ",
+        # Debian and Ubuntu spell their build slurm-wlm; an srun that finds no slurm.conf
+        # prints only its complaints, each starting "srun: "
+        signature=r"^slurm(-wlm)? \d|^srun: ",
         cleanup=("--kill-on-bad-exit=0",),
         oversubscribe=(),
         gives=("PMI_*", "PMIX_*", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
                "SLURM_GTIDS", "SLURM_TASK_PID", "SLURM_STEP_*", "SLURM_STEPID",
                "SLURM_SRUN_COMM_*", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_CPU_BIND*",
                "SLURM_TOPOLOGY_ADDR*", "SLURM_PRIO_PROCESS", "SLURM_UMASK",
-               "SLURM_DISTRIBUTION")),
+               "SLURM_DISTRIBUTION", "SLURMD_NODENAME")),
     "other": _Kind(signature=r"(?!)", cleanup=(), oversubscribe=(), gives=()),
 }
 

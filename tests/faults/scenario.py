@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
-from cupycomm import _env
+from cupycomm import _bootstrap, _env
 from cupycomm.faults import watchdog as _watchdog
 
 
@@ -64,9 +64,10 @@ def hold_the_gil_inside_a_collective(comm: cupycomm.Communicator, culprit: bool)
 def signal_the_culprits_node(comm: cupycomm.Communicator, signum: int) -> None:
     """Every rank on the last rank's node gets ``signum`` at once: SIGKILL, as when a node
     fails; SIGSTOP, as when it hangs or loses the network. The node is the launcher's
-    (hydra's PMI_HOSTNAME, set on simulated nodes). Hydra's proxy there is spared: on a real
-    node that fails its connection to mpiexec is not closed cleanly either."""
-    node = os.environ.get("PMI_HOSTNAME", "")
+    (hydra's PMI_HOSTNAME on simulated nodes, srun's SLURMD_NODENAME). The launcher's own
+    process there (hydra's proxy, slurmstepd) is spared: on a real node that fails its
+    connection to the launcher is not closed cleanly either."""
+    node = _bootstrap.node_name()
     ranks = comm.all_gather_object((node, os.getpid()))
     doomed = [pid for host, pid in ranks if host == ranks[-1][0]]
     if node == ranks[-1][0] and os.getpid() == doomed[-1]:
