@@ -376,7 +376,7 @@ def test_singletons_under_a_launcher_that_exits_0_end_the_job_non_zero(tmp_path)
     its own, told SLURM_STEP_NUM_TASKS) and exits 0 whatever they did: cupycomm.run ends
     non-zero, naming the singletons, and each process said why at init()."""
     fake = tmp_path / "srun"
-    fake.write_text(textwrap.dedent(f"""\
+    fake.write_text(textwrap.dedent("""\
         #!/bin/sh
         if [ "$1" = --version ]; then echo 'slurm-wlm 22.05.8'; exit 0; fi
         while [ "$1" != -n ]; do shift; done

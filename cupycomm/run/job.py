@@ -285,7 +285,7 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
     job ran (named first: the others were killed after them); ``launcher_failed``: the
     launcher said it failed on its own at the job's end (see the module's docstring);
     ``strays``: the records of processes whose world was not the job's
-    (:func:`cupycomm.faults.endings.read_strays`).
+    (:func:`cupycomm.run.exit_records.read_strays`).
 
     Example::
 
@@ -302,7 +302,7 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
     written = [r for r in records if r is not None]
     if not written and strays:
         sizes = sorted({s["size"] for s in strays})
-        raised = next((s for s in strays if s["state"] != endings.RUNNING), strays[0])
+        raised = next((s for s in strays if s["state"] != exit_records.RUNNING), strays[0])
         # the first sentence: the processes have printed the whole of it
         said = raised["detail"].split(". ")[0].rstrip(".")
         why = f"; pid {raised['pid']} on {raised['node']} {raised['state']}: {said}" if said else ""
@@ -388,7 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status, line = verdict(exit_records.read(directory, options.n), returncode,
                                os.path.basename(launcher.executable), forwarder.signal,
                                forwarder.died, stderr is not None and stderr.said,
-                               endings.read_strays(directory))
+                               exit_records.read_strays(directory))
     finally:
         forwarder.restore()
         shutil.rmtree(directory, ignore_errors=True)
