@@ -49,7 +49,7 @@ class Router:
                  device: Optional[int], device_rank: int, device_module: Any) -> None:
         self.host = MPIBackend(mpi_comm, tracker)
         self.device: Optional[DeviceBackend] = None
-        self.backends: Dict[type, Collectives] = {np.ndarray: self.host}
+        self.backends: Dict[type, Collectives] = {np.ndarray: self.host}   # and those seen
         self.cupy = device_module
         self.device_choice = device        # init(device=), else None: by device_rank
         self.device_rank = device_rank     # the local rank the device is chosen by
@@ -128,9 +128,9 @@ class Router:
                                                f"__array_interface__, "
                                                f"__cuda_array_interface__ or __dlpack__), "
                                                f"got {kind_name(x)}")
-        why = writes and _foreign.read_only_through_dlpack(x, native)
-        if why:
-            raise checks.fail(ValueError, name, f"{arg} {why}, so {name} cannot write its "
+        read_only = writes and _foreign.read_only_through_dlpack(x, native)
+        if read_only:
+            raise checks.fail(ValueError, name, f"{arg} {read_only}, so {name} cannot write its "
                                                 f"result there; pass a NumPy array or a "
                                                 f"buffer, or use NumPy 2.1 or newer")
         inner, native = self._route_unusual(name, arg, native, collective, writes)
@@ -191,7 +191,8 @@ class Router:
     def init_device(self, nccl_comm: Any = None) -> DeviceBackend:
         """The device backend, made now if need be (collective, unless ``nccl_comm``, an
         NCCL communicator already made for these ranks, is given)."""
-        if self.device is None:
+        device = self.device
+        if device is None:
             device_id = self.device_number()
             if device_id is None:
                 raise RuntimeError(f"init_device: no GPU is usable on rank "
@@ -201,7 +202,7 @@ class Router:
             device = NcclBackend(self._mpi, device_id, self.cupy, self._tracker, nccl_comm)
             self.backends[device.array_type] = device
             self._tracker.device = self.device = device
-        return self.device
+        return device
 
     def close(self) -> None:
         """Close the backends (waiting for their calls in flight); no array is taken after."""

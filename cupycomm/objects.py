@@ -69,7 +69,8 @@ class Objects:
                                                                 f"{checks.size} objects (one "
                                                                 f"per rank), got {got}")
         return self._run("scatter_object", pkl5.Intracomm.scatter,
-                         list(objs) if checks.rank == root else None, root)
+                         list(objs) if objs is not None and checks.rank == root else None,
+                         root)
 
     def close(self) -> None:
         """Free the duplicate, if made (MPI still initialized)."""

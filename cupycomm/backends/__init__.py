@@ -31,11 +31,17 @@ __all__ = ["Collectives", "HostBackend", "DeviceBackend", "Completion", "HostCom
 
 
 class Collectives(Protocol):
-    name: str                   # "mpi" or "nccl"
-    array_type: type            # the array type it handles (numpy.ndarray, cupy.ndarray)
-    device_id: Optional[int]    # None for host memory
-    movements: Mapping[Any, Any]                  # dtype -> backend-specific spec for moving it
-    reductions: Mapping[Any, Mapping[Any, Any]]   # dtype -> op -> backend-specific spec
+    # Read-only: a backend may hold them as class attributes of narrower types.
+    @property
+    def name(self) -> str: ...                    # "mpi" or "nccl"
+    @property
+    def array_type(self) -> type: ...             # numpy.ndarray, cupy.ndarray
+    @property
+    def device_id(self) -> Optional[int]: ...     # None for host memory
+    @property
+    def movements(self) -> Mapping[Any, Any]: ...   # dtype -> backend-specific spec
+    @property
+    def reductions(self) -> Mapping[Any, Mapping[Any, Any]]: ...   # dtype -> op -> spec
 
     def empty(self, shape: tuple, dtype: Any, stream: Any = None) -> Any: ...
     def all_reduce(self, x, recv, spec, async_op, stream): ...
@@ -128,6 +134,7 @@ class HostBackend(Collectives, HostCompletion, Protocol):
 
 
 class DeviceBackend(Collectives, DeviceCompletion, Health, Protocol):
-    stream: Any   # the comm stream (async calls, batch() blocks)
+    @property
+    def stream(self) -> Any: ...   # the comm stream (async calls, batch() blocks)
 
     def split(self, color: Optional[int], key: int) -> Any: ...
