@@ -25,20 +25,14 @@ Semantics shared by every method (documented here once):
 - **Zero-size and 0-d arrays** are valid wherever their shape is: a 0-d array reduces,
   broadcasts and is gathered into shape ``(size,)``; it has no leading axis to split.
 
-How a call runs (for contributors): the Communicator is a façade over its parts
-(:class:`Parts`): the checks (``_validate.Checks``), the backends and which one takes an array
-(``_dispatch.Router``), the list and uneven layouts (``_layouts.Layouts``), the object
-collectives (``objects.Objects``) and the watchdog's tracker. A call on NumPy arrays whose
-every argument passes the common-case test written at the top of its method (exact
-``numpy.ndarray``, C-contiguous, writable (and aligned) where written, ``out`` of the same
-dtype and an accepted shape, an int root or peer in range) runs the host backend's *prepared
-call* for its (collective, dtype, op), made once and kept (``backends.mpi.PreparedCalls``,
-its tables ``_blocking`` and ``_started`` for async_op): the raw typed mpi4py call inside the
-watchdog's marks, two interpreter frames in all. The lookup is written out in each method, as
-a call to a shared helper would cost a frame. Anything else takes the general path
-(``Router.route``, the checks, the backend's methods), which makes every check and raises the
-errors; so the fast path rejects exactly what the general path does
-(``tests/test_prepared.py`` runs the bad-input suite through it, blocking and async).
+How a call runs (for contributors; docs/internals.md has the whole story): the Communicator
+is a façade over its parts (``Parts``; ``_validate``, ``_dispatch``, ``_layouts``,
+``objects``). A call on NumPy arrays that passes the common-case test at the top of its
+method runs the host backend's prepared call (``backends.mpi.PreparedCalls``; its tables
+``_blocking`` and ``_started``), looked up inline: a shared helper would cost every call a
+frame. Anything else takes the general path (``Router.route``, the checks, the backend's
+methods), which makes every check and raises the errors; the fast path rejects exactly what
+it does (``tests/test_prepared.py``).
 """
 from __future__ import annotations
 
@@ -151,7 +145,8 @@ class Communicator:
         self._part_shapes = PartShapes(self.size)
         self._layouts = Layouts(checks, router, self._joined)
         self._objects = Objects(mpi_comm, tracker, checks)
-        #: The parts that cupycomm's own modules use (:class:`Parts`).
+        #: What cupycomm's own modules use: a ``Parts`` (checks, router, tracker, staging).
+        #: Not a public API.
         self.parts = Parts(checks, router, tracker, coalesce.Staging())
         if nccl_comm is not None:
             router.init_device(nccl_comm)
