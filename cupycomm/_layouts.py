@@ -22,7 +22,7 @@ __all__ = ["Layouts"]
 class Layouts:
     """The list and uneven layouts of one communicator, as a part of it.
 
-    Example (2 ranks)::
+    Example (on 2 ranks, inside Communicator)::
 
         layouts = Layouts(checks, router, JoinedShapes(2))
         b, x, wire_type = router.route("all_gather", "x", numpy.array([comm.rank]))

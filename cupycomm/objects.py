@@ -25,7 +25,7 @@ class Objects:
     """The object collectives of one communicator, as a part of it: its checks, its watchdog
     tracker and a duplicate of its MPI communicator (made on first use, collectively).
 
-    Example (2 ranks)::
+    Example (on 2 ranks, inside Communicator)::
 
         objects = Objects(comm.mpi_comm, tracker, checks)
         objects.all_gather(f"host{comm.rank}")   # both: ['host0', 'host1']
