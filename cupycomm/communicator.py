@@ -145,8 +145,8 @@ class Communicator:
         self._part_shapes = PartShapes(self.size)
         self._layouts = Layouts(checks, router, self._joined)
         self._objects = Objects(mpi_comm, tracker, checks)
-        #: What cupycomm's own modules use: a ``Parts`` (checks, router, tracker, staging).
-        #: Not a public API.
+        #: The parts that cupycomm's own modules use, a ``Parts`` (checks, router, tracker and
+        #: staging); not a public API.
         self.parts = Parts(checks, router, tracker, coalesce.Staging())
         if nccl_comm is not None:
             router.init_device(nccl_comm)
