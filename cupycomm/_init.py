@@ -5,8 +5,9 @@
 3. :func:`_settings`: what the arguments leave unsaid, from the CUPYCOMM_* variables;
 4. :func:`_install_process_hooks`: the abort handler, the exit record and the flight
    recorder's signal (each once per process);
-5. :func:`_parent`: the MPI communicator to build on, then the Communicator over a duplicate
-   of it (:meth:`~cupycomm.communicator.Communicator.create`).
+5. :func:`_parent`: the MPI communicator to build on, which ``_bootstrap.check_launch``
+   holds against the launcher's world (N singletons where it started N ranks: an error);
+6. the Communicator over a duplicate of it (:meth:`~cupycomm.communicator.Communicator.create`).
 """
 from __future__ import annotations
 

@@ -34,38 +34,56 @@ class Collectives(Protocol):
     # Read-only: a backend may hold them as class attributes of narrower types.
     @property
     def name(self) -> str: ...                    # "mpi" or "nccl"
+
     @property
     def array_type(self) -> type: ...             # numpy.ndarray, cupy.ndarray
+
     @property
     def device_id(self) -> Optional[int]: ...     # None for host memory
+
     @property
     def movements(self) -> Mapping[Any, Any]: ...   # dtype -> backend-specific spec
+
     @property
     def reductions(self) -> Mapping[Any, Mapping[Any, Any]]: ...   # dtype -> op -> spec
 
     def empty(self, shape: tuple, dtype: Any, stream: Any = None) -> Any: ...
     # Arrays, specs and streams are the backend's own types; results are arrays or a Work.
     def all_reduce(self, x: Any, recv: Any, spec: Any, async_op: bool, stream: Any) -> Any: ...
+
     def reduce(self, x: Any, recv: Any, spec: Any, root: int, async_op: bool,
                stream: Any) -> Any: ...
+
     def broadcast(self, x: Any, spec: Any, root: int, async_op: bool, stream: Any) -> Any: ...
+
     def all_gather(self, x: Any, recv: Any, spec: Any, async_op: bool, stream: Any,
                    unpack: Sequence[Any] = ()) -> Any: ...
+
     def reduce_scatter(self, x: Any, recv: Any, spec: Any, async_op: bool,
                        stream: Any) -> Any: ...
+
     def all_to_all(self, x: Any, recv: Any, spec: Any, async_op: bool, stream: Any) -> Any: ...
+
     def all_to_all_v(self, x: Any, recv: Any, spec: Any, send_bytes: Sequence[int],
                      recv_bytes: Sequence[int], async_op: bool, stream: Any) -> Any: ...
+
     def scatter(self, x: Any, recv: Any, spec: Any, root: int, async_op: bool,
                 stream: Any) -> Any: ...
+
     def gather(self, x: Any, recv: Any, spec: Any, root: int, async_op: bool,
                stream: Any) -> Any: ...
+
     def send(self, x: Any, spec: Any, peer: int, async_op: bool, stream: Any) -> Any: ...
+
     def recv(self, x: Any, spec: Any, peer: int, async_op: bool, stream: Any) -> Any: ...
+
     def sendrecv(self, x: Any, spec: Any, dst: int, buf: Any, src: int, async_op: bool,
                  stream: Any) -> Any: ...
+
     def begin_group(self, group: Any) -> None: ...
+
     def end_group(self, group: Any, cancel: bool) -> None: ...
+
     def close(self) -> None: ...
 
 
