@@ -111,10 +111,10 @@ def watchdog_table(comm: cupycomm.Communicator, rounds: int) -> None:
         for _ in range(rounds):
             comm.mpi_comm.Barrier()
             on = timeit.timeit(lambda: comm.all_reduce(x), number=3) / 3
-            unwatch(comm._tracker)
+            unwatch(comm.parts.tracker)
             comm.mpi_comm.Barrier()
             off = timeit.timeit(lambda: comm.all_reduce(x), number=3) / 3
-            watch(comm._tracker)
+            watch(comm.parts.tracker)
             pairs.append((on, off))
         on, off = (float(np.median([p[i] for p in pairs])) for i in (0, 1))
         ratio = float(np.median([a / b for a, b in pairs]))
@@ -226,7 +226,7 @@ def device_section(number: int, rounds: int) -> None:
           f"{', '.join(own_stream_calls)} |\n"
           f"| CUDA calls besides NCCL, async + wait | {len(async_calls)}: "
           f"{', '.join(async_calls)} |\n", flush=True)
-    comm._nccl = None   # its CUDA objects are no-ops now: nothing to free
+    comm.parts.router.device = None   # its CUDA objects are no-ops now: nothing to free
     comm.close()
 
 

@@ -4,7 +4,8 @@
 collectives on NumPy arrays (through MPI) and CuPy arrays (through NCCL).
 """
 from ._dtypes import DTYPES, ReduceOp
-from .communicator import DEFAULT_TIMEOUT, Communicator, init
+from .communicator import DEFAULT_TIMEOUT, Communicator
+from ._init import init
 from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, NcclError,
                      PeerLost)
 from . import devices

@@ -68,23 +68,24 @@ def _runs(comm: Any, name: str, arrays: Sequence[Any], op: Any,
     arrays. Anything unusual (a foreign or device array, a failed check) goes through the
     communicator's full check, which explains the error.
     """
+    checks, router = comm.parts.checks, comm.parts.router
     if not isinstance(arrays, (list, tuple)):
-        raise comm._fail(TypeError, name, f"arrays must be a list of arrays, got "
+        raise checks.fail(TypeError, name, f"arrays must be a list of arrays, got "
                                           f"{type(arrays).__name__}")
     natives: List[Any] = []
     first = None
-    backends = comm._backends
+    backends = router.backends
     for i, array in enumerate(arrays):
         backend = backends.get(type(array))
         if (backend is None or backend.device_id is not None
                 or not (flags := array.flags).c_contiguous or not flags.writeable):
-            backend, array, _ = comm._take(name, ("arrays", i), array, op, writes=True)
+            backend, array, _ = router.route(name, ("arrays", i), array, op, writes=True)
             backend = getattr(backend, "inner", backend)   # a foreign array's own backend
         if backend is not first:
             if first is not None:
-                raise comm._fail(TypeError, name, f"arrays[{i}] is {kind_name(arrays[i])} but "
-                                                  f"arrays[0] is {kind_name(arrays[0])}; one call "
-                                                  f"takes host arrays or device arrays")
+                raise checks.fail(TypeError, name, f"arrays[{i}] is {kind_name(arrays[i])} "
+                                                   f"but arrays[0] is {kind_name(arrays[0])}; "
+                                                   f"one call takes host arrays or device arrays")
             first = backend
         natives.append(array)
     runs = runs_by_dtype(natives, limit)
@@ -92,8 +93,8 @@ def _runs(comm: Any, name: str, arrays: Sequence[Any], op: Any,
     for run in runs:   # each dtype, and the op for it, once
         if natives[run[0]].dtype not in checked:
             checked.add(natives[run[0]].dtype)
-            comm._take(name, ("arrays", run[0]), natives[run[0]], op)
-    return runs, natives, (comm._array_module(first) if first is not None else None)
+            router.route(name, ("arrays", run[0]), natives[run[0]], op)
+    return runs, natives, (router.array_module(first) if first is not None else None)
 
 
 def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
@@ -103,8 +104,8 @@ def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
     name = "all_reduce_coalesced"
     limit = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     if type(limit) is not int or limit <= 0:
-        raise comm._fail(ValueError, name, f"bucket_bytes must be a positive int, got "
-                                           f"{bucket_bytes!r}")
+        raise comm.parts.checks.fail(ValueError, name, f"bucket_bytes must be a positive "
+                                                       f"int, got {bucket_bytes!r}")
     runs, natives, xp = _runs(comm, name, arrays, op, limit)
     with _device_of(comm, xp):
         return _all_reduce_runs(comm, name, arrays, runs, natives, xp, op, async_op)
@@ -113,12 +114,13 @@ def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
 def _device_of(comm: Any, xp: Any) -> Any:
     """The communicator's device as a context for device arrays (buffers and copies belong
     there, whatever device is current), else nothing."""
-    return comm.device if xp is not None and xp is comm._cupy else contextlib.nullcontext()
+    device = xp is not None and xp is comm.parts.router.cupy
+    return comm.device if device else contextlib.nullcontext()
 
 
 def _all_reduce_runs(comm: Any, name: str, arrays: Sequence[Any], runs: list, natives: list,
                      xp: Any, op: Any, async_op: bool) -> Union[List[Any], Work]:
-    staging = comm._staging
+    staging = comm.parts.staging
     plans: List[Tuple[Plan, List[Any]]] = []
     works = []
     for run in runs:
@@ -218,7 +220,7 @@ class Bucket:
     def all_reduce(self, op: Any = "sum", async_op: bool = False) -> Union[List[Any], Work]:
         """All-reduce every array of the bucket: one call per dtype. Returns ``arrays``."""
         for flat in self.flats:   # op against every dtype first: all calls are made, or none
-            self._comm._take("bucket.all_reduce", "op", flat, op)
+            self._comm.parts.router.route("bucket.all_reduce", "op", flat, op)
         return self._each(lambda flat: self._comm.all_reduce(flat, op=op, async_op=async_op))
 
     def broadcast(self, root: int = 0, async_op: bool = False) -> Union[List[Any], Work]:

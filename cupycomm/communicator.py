@@ -25,41 +25,39 @@ Semantics shared by every method (documented here once):
 - **Zero-size and 0-d arrays** are valid wherever their shape is: a 0-d array reduces,
   broadcasts and is gathered into shape ``(size,)``; it has no leading axis to split.
 
-How a call runs (for contributors): a call on NumPy arrays whose every argument passes the
-common-case test written at the top of each method (exact ``numpy.ndarray``, C-contiguous,
-writable (and aligned) where written, ``out`` of the same dtype and an accepted shape, an int
-root or peer in range) takes the backend's *prepared call* for its (collective, dtype, op),
-made once and kept (``cupycomm.backends.mpi.PreparedCalls``; looked up in ``_blocking``, or
-``_started`` for async_op, which returns a :class:`~cupycomm.work.Work`): the raw typed
-mpi4py call inside the watchdog's marks, two interpreter frames in all. Anything else (a
-failed test, a dtype or op with no prepared call, stream, a ``batch()`` block, a closed
-communicator, device and foreign arrays) takes the general path, which makes every check and
-raises the errors; so the fast path rejects exactly what the general path does
-(``tests/test_prepared.py`` runs the bad-input suite through it, blocking and async).
+How a call runs (for contributors; docs/internals.md has the whole story): the Communicator
+is a façade over its parts (``Parts``; ``_validate``, ``_dispatch``, ``_layouts``,
+``objects``). A call on NumPy arrays that passes the common-case test at the top of its
+method runs the host backend's prepared call (``backends.mpi.PreparedCalls``; its tables
+``_blocking`` and ``_started``), looked up inline: a shared helper would cost every call a
+frame. Anything else takes the general path (``Router.route``, the checks, the backend's
+methods), which makes every check and raises the errors; the fast path rejects exactly what
+it does (``tests/test_prepared.py``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Optional, Sequence, Union
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _bootstrap, _env, coalesce, objects
-from .faults import abort, debug as _debug, flight
+from . import _bootstrap, _env, coalesce
+from .faults import debug as _debug
+from ._dispatch import Router
 from ._dtypes import ReduceOp
+from ._layouts import Layouts
+from ._parts import JoinedShapes, PartShapes
+from ._validate import Checks
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
-from ._dispatch import Dispatch
-from ._parts import JoinedShapes, PartShapes
-from ._validate import Validation
 from .faults.watchdog import Tracker, unwatch, watch
 from .batch import Batch
-from .backends.mpi import MPIBackend, PreparedCalls
+from .backends.mpi import PreparedCalls
+from .objects import Objects
 from .work import Work
-from .run import exit_records
 
-__all__ = ["Communicator", "init", "DEFAULT_TIMEOUT"]
+__all__ = ["Communicator", "Parts", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT: float = _env.default("CUPYCOMM_TIMEOUT")
 """Seconds a collective may wait before it is declared hung (torch's NCCL default: 10 min).
@@ -67,10 +65,38 @@ Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment v
 
 Op = Union[ReduceOp, str]
 _SUM = "sum"
-_HOST = np.ndarray   # arrays of exactly this type may take the prepared calls (see below)
+_HOST = np.ndarray   # arrays of exactly this type may take the prepared calls (see above)
 
 
-class Communicator(Dispatch, Validation):
+class Parts(NamedTuple):
+    """The parts of a :class:`Communicator` that cupycomm's own modules use (``coalesce``,
+    ``faults.debug``); not a public API."""
+
+    checks: Checks            # argument checks, the closed state and the open batch() block
+    router: Router            # the backends (host, device) and which one takes an array
+    tracker: Tracker          # the watchdog's view: calls counted, the call in progress
+    staging: coalesce.Staging   # all_reduce_coalesced's buffers, kept from call to call
+
+
+def _watched(mpi_comm: MPI.Comm, name: str, timeout: float) -> Tuple[Tracker, int]:
+    """(the watchdog's tracker for a communicator over ``mpi_comm``, this rank's local rank).
+
+    Collective: the ranks find those of their node, which open the node's board, and the
+    node leaders connect their heartbeats across nodes (with more than one rank); then the
+    watchdog looks at the tracker, its thread started by the first communicator."""
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    node = _bootstrap.node_comm(mpi_comm)
+    board = NodeBoard(node, rank, mpi_comm) if size > 1 else None
+    beats = Heartbeats.connect(mpi_comm, node, board, name) if board is not None else None
+    local_rank = node.Get_rank()
+    node.Free()
+    tracker = Tracker(name, rank, size, timeout, board, beats)
+    if size > 1:
+        watch(tracker)
+    return tracker, local_rank
+
+
+class Communicator:
     """A group of ranks that run collectives together; made by :func:`cupycomm.init`.
 
     Attributes:
@@ -87,68 +113,49 @@ class Communicator(Dispatch, Validation):
         # Rank 1: array([3., 6.])
     """
 
-    def __init__(self, mpi_comm: MPI.Comm, *, device: Optional[int] = None,
-                 device_module: Any = None, timeout: float = DEFAULT_TIMEOUT,
-                 debug: bool = False, name: str = "world", device_rank: Optional[int] = None,
-                 nccl_comm: Any = None) -> None:
-        """Collective over ``mpi_comm``, which the communicator owns from now on (it frees it
-        on close). Use :func:`cupycomm.init`, ``split`` or ``new_group``, not this constructor.
+    @classmethod
+    def create(cls, mpi_comm: MPI.Comm, *, name: str, timeout: float = DEFAULT_TIMEOUT,
+               **options: Any) -> "Communicator":
+        """A communicator over ``mpi_comm`` (which it owns from now on: it frees it on close),
+        watched by the watchdog; collective. ``options`` are the constructor's."""
+        tracker, local_rank = _watched(mpi_comm, name, timeout)
+        return cls(mpi_comm, tracker, local_rank, **options)
+
+    def __init__(self, mpi_comm: MPI.Comm, tracker: Tracker, local_rank: int, *,
+                 device: Optional[int] = None, device_module: Any = None, debug: bool = False,
+                 device_rank: Optional[int] = None, nccl_comm: Any = None) -> None:
+        """Use :func:`cupycomm.init`, ``split`` or ``new_group``, not this constructor (or
+        :meth:`create`, which makes the ``tracker`` and finds the ``local_rank``).
         ``device_rank`` is the local rank the device is chosen by (a subgroup keeps its
-        parent's); ``nccl_comm``, an NCCL communicator already made for these ranks.
-
-        State that helper modules may read or write (and nothing else of it):
-
-        - ``rank``, ``size``, ``timeout``, ``debug``, ``name``: read by all.
-        - ``_backends`` (array type -> backend), ``_host`` (the MPI backend), ``_nccl`` (the
-          NCCL backend once made by ``init_device``), ``_cupy`` (the device module, loaded
-          lazily): read by ``_dispatch`` (which adds array types to ``_backends`` and loads
-          ``_cupy``), ``coalesce`` and ``faults.debug`` (the host backend's control calls).
-        - ``_batch`` (the open ``batch()`` block) and ``_closed``: read by ``_dispatch`` and
-          ``_validate``. ``_prepared``: the host's prepared calls (its tables ``blocking``
-          and ``started`` also as ``_blocking`` and ``_started``), off while a batch()
-          block is open and once closed.
-        - ``_tracker`` (the watchdog's :class:`~cupycomm.faults.watchdog.Tracker`):
-          ``objects`` counts its calls there; ``faults.debug`` reads the count.
-        - ``_staging``: ``coalesce``'s buffers; ``_objects``: ``objects``' pickle transport (a
-          duplicate MPI communicator it makes on first use).
-        - ``faults.debug`` replaces the checked collectives by instance attributes.
-        """
+        parent's); ``nccl_comm``, an NCCL communicator already made for these ranks."""
         self._mpi = mpi_comm
-        self.rank: int = mpi_comm.Get_rank()
-        self.size: int = mpi_comm.Get_size()
-        self.timeout = timeout
-        self.name = name
-        node = _bootstrap.node_comm(mpi_comm)
-        self.local_rank: int = node.Get_rank()
-        self._device_rank = self.local_rank if device_rank is None else device_rank
-        board = NodeBoard(node, self.rank, mpi_comm) if self.size > 1 else None
-        beats = Heartbeats.connect(mpi_comm, node, board, name) if board is not None else None
-        node.Free()
-        self._tracker = Tracker(name, self.rank, self.size, timeout, board, beats)
-        if self.size > 1:
-            watch(self._tracker)
-        self._host = MPIBackend(mpi_comm, self._tracker)
-        self._prepared = PreparedCalls(self._host)
+        self.rank: int = tracker.rank
+        self.size: int = tracker.size
+        self.local_rank = local_rank
+        self.timeout = tracker.timeout
+        self.name = tracker.name
+        self._checks = checks = Checks(self.rank, self.size)
+        self._router = router = Router(mpi_comm, tracker, checks, device,
+                                       local_rank if device_rank is None else device_rank,
+                                       device_module)
+        self._route = router.route
+        self._prepared = PreparedCalls(router.host)
         self._blocking, self._started = self._prepared.blocking, self._prepared.started
-        self._backends: dict = {np.ndarray: self._host}
         self._joined = JoinedShapes(self.size)
-        self._parts = PartShapes(self.size)
-        self._device_choice = device
-        self._cupy = device_module
-        self._device_id: Optional[int] = None
-        self._nccl: Any = None
-        self._objects: Any = None   # the pickle transport of cupycomm.objects, made on first use
-        self._batch: Optional[Batch] = None   # the open batch() block
-        self._staging = coalesce.Staging()     # all_reduce_coalesced's buffers, kept
-        self._closed = False
+        self._part_shapes = PartShapes(self.size)
+        self._layouts = Layouts(checks, router, self._joined)
+        self._objects = Objects(mpi_comm, tracker, checks)
+        #: The parts that cupycomm's own modules use, a ``Parts`` (checks, router, tracker and
+        #: staging); not a public API.
+        self.parts = Parts(checks, router, tracker, coalesce.Staging())
         if nccl_comm is not None:
-            self.init_device(nccl_comm)
+            router.init_device(nccl_comm)
         self.debug = debug
         if debug:
             _debug.install(self)
         _bootstrap.track_for_exit(self)
 
-    # -- properties -------------------------------------------------------------------------------
+    # -- properties and the device ----------------------------------------------------------------
     @property
     def mpi_comm(self) -> MPI.Comm:
         """The MPI communicator underneath (a duplicate owned by this communicator)."""
@@ -157,7 +164,7 @@ class Communicator(Dispatch, Validation):
     @property
     def closed(self) -> bool:
         """True once :meth:`close` has run."""
-        return self._closed
+        return self._checks.closed
 
     @property
     def device(self) -> Any:
@@ -166,8 +173,8 @@ class Communicator(Dispatch, Validation):
         Chosen by ``init(device=)``, else round-robin by local rank over the node's GPUs.
         Reading it loads CuPy and CUDA; host-only programs need not.
         """
-        device_id = self._resolve_device()
-        return None if device_id is None else self._cupy.cuda.Device(device_id)
+        device_id = self._router.device_number()
+        return None if device_id is None else self._router.cupy.cuda.Device(device_id)
 
     @property
     def xp(self) -> Any:
@@ -177,38 +184,17 @@ class Communicator(Dispatch, Validation):
         if device is None:
             return np
         device.use()
-        return self._cupy
+        return self._router.cupy
 
-    def _resolve_device(self) -> Optional[int]:
-        if self._device_id is None:
-            if self._cupy is None:
-                self._cupy = _bootstrap.import_cupy()
-            if self._cupy is not None:
-                if self._device_choice is not None:
-                    self._device_id = self._device_choice
-                else:
-                    self._device_id = _bootstrap.choose_device(self._device_rank, self._cupy)
-        return self._device_id
-
-    def init_device(self, _nccl_comm: Any = None) -> Any:
+    def init_device(self) -> Any:
         """Create the NCCL communicator now (collective: every rank must call it).
 
         Otherwise the first collective on device arrays creates it. Device point-to-point
         calls (send, recv, sendrecv) need it to exist, since only some ranks take part in
         them. Returns the device backend.
         """
-        self._check_open("init_device")
-        if self._nccl is None:
-            device_id = self._resolve_device()
-            if device_id is None:
-                raise RuntimeError(f"init_device: no GPU is usable on rank {self.rank} "
-                                   f"(CuPy {'is missing' if self._cupy is None else 'sees none'})")
-            from .backends.nccl import NcclBackend
-            self._nccl = NcclBackend(self._mpi, device_id, self._cupy, self._tracker,
-                                     _nccl_comm)
-            self._backends[self._nccl.array_type] = self._nccl
-            self._tracker.device = self._nccl
-        return self._nccl
+        self._checks.check_open("init_device")
+        return self._router.init_device()
 
     # -- collectives ------------------------------------------------------------------------------
     def all_reduce(self, x: Any, *, op: Op = _SUM, out: Any = None, async_op: bool = False,
@@ -230,14 +216,12 @@ class Communicator(Dispatch, Validation):
                 run = self._prepared.find("all_reduce", x.dtype, op, async_op)
             if run is not None:
                 return run(x, x if out is None else out)
-        b, x, spec = self._take("all_reduce", "x", x, op, writes=out is None)
-        if stream is not None:
-            self._check_stream("all_reduce", b, stream)
+        b, x, wire = self._route("all_reduce", "x", x, op, writes=out is None, stream=stream)
         if out is None:
             out = x
         else:
-            out = self._check_out("all_reduce", "out", b, out, x, (x.shape,))
-        return b.all_reduce(x, out, spec, async_op, stream)
+            out = self._router.check_out("all_reduce", "out", b, out, x, (x.shape,))
+        return b.all_reduce(x, out, wire, async_op, stream)
 
     def reduce(self, x: Any, root: int = 0, *, op: Op = _SUM, out: Any = None,
                async_op: bool = False, stream: Any = None) -> Any:
@@ -261,17 +245,15 @@ class Communicator(Dispatch, Validation):
                 run = self._prepared.find("reduce", x.dtype, op, async_op)
             if run is not None:
                 return run(x, (x if out is None else out) if root == self.rank else None, root)
-        b, x, spec = self._take("reduce", "x", x, op, writes=out is None)
-        if stream is not None:
-            self._check_stream("reduce", b, stream)
-        self._check_rank("reduce", "root", root)
+        b, x, wire = self._route("reduce", "x", x, op, writes=out is None, stream=stream)
+        self._checks.check_rank("reduce", "root", root)
         if out is not None:   # checked wherever given, so that every rank fails alike
-            out = self._check_out("reduce", "out", b, out, x, (x.shape,))
+            out = self._router.check_out("reduce", "out", b, out, x, (x.shape,))
         if self.rank != root:
             out = None
         elif out is None:
             out = x
-        return b.reduce(x, out, spec, root, async_op, stream)
+        return b.reduce(x, out, wire, root, async_op, stream)
 
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,
                   stream: Any = None) -> Any:
@@ -290,11 +272,9 @@ class Communicator(Dispatch, Validation):
                 run = self._prepared.find("broadcast", x.dtype, None, async_op)
             if run is not None:
                 return run(x, root)
-        b, x, spec = self._take("broadcast", "x", x, writes=True)
-        if stream is not None:
-            self._check_stream("broadcast", b, stream)
-        self._check_rank("broadcast", "root", root)
-        return b.broadcast(x, spec, root, async_op, stream)
+        b, x, wire = self._route("broadcast", "x", x, writes=True, stream=stream)
+        self._checks.check_rank("broadcast", "root", root)
+        return b.broadcast(x, wire, root, async_op, stream)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
                    stream: Any = None) -> Any:
@@ -318,26 +298,15 @@ class Communicator(Dispatch, Validation):
             if run is not None:
                 return run(x, np.empty(self._joined[x.shape][0], x.dtype) if out is None
                            else out)
-        b, x, spec = self._take("all_gather", "x", x)
-        if stream is not None:
-            self._check_stream("all_gather", b, stream)
+        b, x, wire = self._route("all_gather", "x", x, stream=stream)
         shapes = self._joined[x.shape]
         if out is None:
-            return b.all_gather(x, b.empty(shapes[0], x.dtype, stream), spec, async_op, stream)
+            return b.all_gather(x, b.empty(shapes[0], x.dtype, stream), wire, async_op, stream)
         if type(out) is not type(x) and isinstance(out, (list, tuple)):
-            return self._all_gather_list(b, x, spec, out, async_op, stream)
-        out = self._check_out("all_gather", "out", b, out, x, shapes,
+            return self._layouts.all_gather_list(b, x, wire, out, async_op, stream)
+        out = self._router.check_out("all_gather", "out", b, out, x, shapes,
                               " (size parts shaped like x)")
-        return b.all_gather(x, out, spec, async_op, stream)
-
-    def _all_gather_list(self, b: Any, x: Any, spec: Any, out: Sequence, async_op: bool,
-                         stream: Any) -> Any:
-        """all_gather into a list of ``size`` arrays: into one array, then copied to them."""
-        out = self._check_parts("all_gather", "out", b, out, x)
-        whole = b.empty(self._joined[x.shape][0], x.dtype, stream)
-        parts = [whole[j, ...] for j in range(self.size)]   # views, 0-d ones too
-        return b.all_gather(x, whole, spec, async_op, stream, list(zip(out, parts)))
-
+        return b.all_gather(x, out, wire, async_op, stream)
 
     def reduce_scatter(self, x: Any, *, op: Op = _SUM, out: Any = None,
                        async_op: bool = False, stream: Any = None) -> Any:
@@ -352,7 +321,7 @@ class Communicator(Dispatch, Validation):
             comm.reduce_scatter(x)   # Rank 0: array([3, 6])   Rank 1: array([9, 12])
         """
         if (type(x) is _HOST and stream is None and x.flags.c_contiguous
-                and (part := self._parts[x.shape]) is not None
+                and (part := self._part_shapes[x.shape]) is not None
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape == part and out.flags.carray)):
             try:
@@ -363,38 +332,16 @@ class Communicator(Dispatch, Validation):
             if run is not None:
                 return run(x, np.empty(part, x.dtype) if out is None else out)
         if isinstance(x, (list, tuple)):
-            return self._reduce_scatter_list(x, op, out, async_op, stream)
-        b, x, spec = self._take("reduce_scatter", "x", x, op)
-        if stream is not None:
-            self._check_stream("reduce_scatter", b, stream)
-        self._check_leading_axis("reduce_scatter", "x", x)
+            return self._layouts.reduce_scatter_list(x, op, out, async_op, stream)
+        b, x, wire = self._route("reduce_scatter", "x", x, op, stream=stream)
+        self._checks.check_leading_axis("reduce_scatter", "x", x)
         part = (x.shape[0] // self.size,) + x.shape[1:]
         if out is None:
             out = b.empty(part, x.dtype, stream)
         else:
             shapes = (part, x.shape[1:]) if x.shape[0] == self.size else (part,)
-            out = self._check_out("reduce_scatter", "out", b, out, x, shapes)
-        return b.reduce_scatter(x, out, spec, async_op, stream)
-
-    def _reduce_scatter_list(self, xs: Sequence, op: Op, out: Any, async_op: bool,
-                             stream: Any) -> Any:
-        name = "reduce_scatter"
-        if not xs:
-            raise self._fail(ValueError, name, f"x is an empty list, expected {self.size} "
-                                               f"arrays (one per rank)")
-        b, first, spec = self._take(name, "x[0]", xs[0], op)
-        if stream is not None:
-            self._check_stream(name, b, stream)
-        xs = self._check_parts(name, "x", b, xs, first, writes=False)
-        if out is None:
-            out = b.empty(first.shape, first.dtype, stream)
-        else:
-            out = self._check_out(name, "out", b, out, first, (first.shape,))
-        whole = b.empty((self.size,) + first.shape, first.dtype, stream)
-        with stream if stream is not None else contextlib.nullcontext():   # ordered before NCCL
-            for j, part in enumerate(xs):
-                whole[j] = part
-        return b.reduce_scatter(whole, out, spec, async_op, stream)
+            out = self._router.check_out("reduce_scatter", "out", b, out, x, shapes)
+        return b.reduce_scatter(x, out, wire, async_op, stream)
 
     def all_to_all(self, x: Any, *, out: Any = None, in_splits: Optional[Sequence[int]] = None,
                    out_splits: Optional[Sequence[int]] = None, async_op: bool = False,
@@ -424,66 +371,15 @@ class Communicator(Dispatch, Validation):
                 run = self._prepared.find("all_to_all", x.dtype, None, async_op)
             if run is not None:
                 return run(x, np.empty(x.shape, x.dtype) if out is None else out)
-        b, x, spec = self._take("all_to_all", "x", x)
-        if stream is not None:
-            self._check_stream("all_to_all", b, stream)
+        b, x, wire = self._route("all_to_all", "x", x, stream=stream)
         if in_splits is None and out_splits is None:
-            self._check_leading_axis("all_to_all", "x", x)
+            self._checks.check_leading_axis("all_to_all", "x", x)
             if out is None:
                 out = b.empty(x.shape, x.dtype, stream)
             else:
-                out = self._check_out("all_to_all", "out", b, out, x, (x.shape,))
-            return b.all_to_all(x, out, spec, async_op, stream)
-        return self._all_to_all_v(b, x, spec, out, in_splits, out_splits, async_op, stream)
-
-    def _all_to_all_v(self, b: Any, x: Any, spec: Any, out: Any,
-                      in_splits: Optional[Sequence[int]], out_splits: Optional[Sequence[int]],
-                      async_op: bool, stream: Any) -> Any:
-        """all_to_all with uneven parts (``in_splits`` or ``out_splits`` given)."""
-        if x.ndim == 0:
-            raise self._fail(ValueError, "all_to_all", "x is 0-d: it has no leading axis to "
-                                                       "split")
-        if in_splits is None:
-            self._check_leading_axis("all_to_all", "x", x)
-            in_splits = [x.shape[0] // self.size] * self.size
-        sent = self._check_splits("in_splits", in_splits, x.shape[0])
-        if out_splits is not None:
-            received = self._check_splits("out_splits", out_splits, None)
-            shape = (sum(received),) + x.shape[1:]
-            if out is None:
-                out = b.empty(shape, x.dtype, stream)
-            else:
-                out = self._check_out("all_to_all", "out", b, out, x, (shape,),
-                                      " (sum(out_splits) rows)")
-        else:
-            received, out = self._received_splits(b, x, sent, out, stream)
-        row = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
-        return b.all_to_all_v(x, out, spec, [n * row for n in sent], [n * row for n in received],
-                              async_op, stream)
-
-    def _received_splits(self, b: Any, x: Any, sent: List[int], out: Any,
-                         stream: Any) -> tuple:
-        """(rows from each rank, out or a new array) when only ``in_splits`` is known: the
-        ranks gather every rank's in_splits and out rows, so that each knows what it
-        receives and every rank finds a wrong ``out`` alike, before any data moves."""
-        rows = -1
-        if out is not None:
-            out = self._check_kind("all_to_all", "out", b, out, x)
-            if out.ndim == 0 or out.shape[1:] != x.shape[1:]:
-                raise self._fail(ValueError, "all_to_all", f"out has shape {out.shape}, "
-                                                           f"expected (rows, *{x.shape[1:]})")
-            rows = out.shape[0]
-        table = self._host.gather_ints(sent + [rows], "all_to_all")
-        expected = table[:, :-1].sum(axis=0)   # rank j receives column j
-        for j, (given, want) in enumerate(zip(table[:, -1].tolist(), expected.tolist())):
-            if given not in (-1, want):
-                raise self._fail(ValueError, "all_to_all", f"out of rank {j} has {given} rows, "
-                                                           f"but the ranks' in_splits send it "
-                                                           f"{want}")
-        received = table[:, self.rank].tolist()
-        if out is None:
-            out = b.empty((sum(received),) + x.shape[1:], x.dtype, stream)
-        return received, out
+                out = self._router.check_out("all_to_all", "out", b, out, x, (x.shape,))
+            return b.all_to_all(x, out, wire, async_op, stream)
+        return self._layouts.all_to_all_v(b, x, wire, out, in_splits, out_splits, async_op, stream)
 
     def scatter(self, x: Any, root: int = 0, *, out: Any, async_op: bool = False,
                 stream: Any = None) -> Any:
@@ -510,14 +406,12 @@ class Communicator(Dispatch, Validation):
                 run = self._prepared.find("scatter", out.dtype, None, async_op)
             if run is not None:
                 return run(x if root == self.rank else None, out, root)
-        b, out, spec = self._take("scatter", "out", out, writes=True)
-        if stream is not None:
-            self._check_stream("scatter", b, stream)
-        self._check_rank("scatter", "root", root)
+        b, out, wire = self._route("scatter", "out", out, writes=True, stream=stream)
+        self._checks.check_rank("scatter", "root", root)
         if x is not None or self.rank == root:   # checked wherever given: alike on every rank
-            x = self._check_out("scatter", "x", b, x, out, self._joined[out.shape],
+            x = self._router.check_out("scatter", "x", b, x, out, self._joined[out.shape],
                                 " (size parts shaped like out)", writes=False)
-        return b.scatter(x, out, spec, root, async_op, stream)
+        return b.scatter(x, out, wire, root, async_op, stream)
 
     def gather(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
                stream: Any = None) -> Any:
@@ -545,38 +439,32 @@ class Communicator(Dispatch, Validation):
                 elif out is None:
                     out = np.empty(self._joined[x.shape][0], x.dtype)
                 return run(x, out, root)
-        b, x, spec = self._take("gather", "x", x)
-        if stream is not None:
-            self._check_stream("gather", b, stream)
-        self._check_rank("gather", "root", root)
+        b, x, wire = self._route("gather", "x", x, stream=stream)
+        self._checks.check_rank("gather", "root", root)
         shapes = self._joined[x.shape]
         if out is not None:   # checked wherever given, so that every rank fails alike
-            out = self._check_out("gather", "out", b, out, x, shapes,
+            out = self._router.check_out("gather", "out", b, out, x, shapes,
                                   " (size parts shaped like x)")
         if self.rank != root:
             out = None
         elif out is None:
             out = b.empty(shapes[0], x.dtype, stream)
-        return b.gather(x, out, spec, root, async_op, stream)
+        return b.gather(x, out, wire, root, async_op, stream)
 
     # -- point to point ---------------------------------------------------------------------------
     def send(self, x: Any, dst: int, *, async_op: bool = False, stream: Any = None) -> Any:
         """Send ``x`` to rank ``dst``, which receives it with ``recv``. Returns None (or a
         Work). Messages between two ranks arrive in the order they were sent."""
-        self._check_peer("send", "dst", dst)
-        b, x, spec = self._take("send", "x", x, collective=False)
-        if stream is not None:
-            self._check_stream("send", b, stream)
-        return b.send(x, spec, dst, async_op, stream)
+        self._checks.check_peer("send", "dst", dst)
+        b, x, wire = self._route("send", "x", x, collective=False, stream=stream)
+        return b.send(x, wire, dst, async_op, stream)
 
     def recv(self, buf: Any, src: int, *, async_op: bool = False, stream: Any = None) -> Any:
         """Receive into ``buf`` what rank ``src`` sent; returns ``buf``. Its size must match
         the sent array's."""
-        self._check_peer("recv", "src", src)
-        b, buf, spec = self._take("recv", "buf", buf, collective=False, writes=True)
-        if stream is not None:
-            self._check_stream("recv", b, stream)
-        return b.recv(buf, spec, src, async_op, stream)
+        self._checks.check_peer("recv", "src", src)
+        b, buf, wire = self._route("recv", "buf", buf, collective=False, writes=True, stream=stream)
+        return b.recv(buf, wire, src, async_op, stream)
 
     def sendrecv(self, x: Any, dst: int, buf: Any, src: int, *, async_op: bool = False,
                  stream: Any = None) -> Any:
@@ -601,13 +489,11 @@ class Communicator(Dispatch, Validation):
                 run = self._prepared.find("sendrecv", x.dtype, None, async_op)
             if run is not None:
                 return run(x, dst, buf, src)
-        self._check_rank("sendrecv", "dst", dst)
-        self._check_rank("sendrecv", "src", src)
-        b, x, spec = self._take("sendrecv", "x", x, collective=False)
-        if stream is not None:
-            self._check_stream("sendrecv", b, stream)
-        buf = self._check_kind("sendrecv", "buf", b, buf, x)
-        return b.sendrecv(x, spec, dst, buf, src, async_op, stream)
+        self._checks.check_rank("sendrecv", "dst", dst)
+        self._checks.check_rank("sendrecv", "src", src)
+        b, x, wire = self._route("sendrecv", "x", x, collective=False, stream=stream)
+        buf = self._router.check_kind("sendrecv", "buf", b, buf, x)
+        return b.sendrecv(x, wire, dst, buf, src, async_op, stream)
 
     def isend(self, x: Any, dst: int, *, stream: Any = None) -> Work:
         """``send(x, dst, async_op=True)``: a Work that completes once ``x`` may be reused."""
@@ -636,32 +522,32 @@ class Communicator(Dispatch, Validation):
                 comm.isend(mine, right)
             # from_left now holds the left neighbour's array: Rank 0: [2, 2]  Rank 1: [0, 0]
         """
-        self._check_open("batch")
-        if self._batch is not None:
-            raise self._fail(RuntimeError, "batch", "batch() blocks do not nest")
+        checks, router = self._checks, self._router
+        checks.check_open("batch")
+        if checks.batch is not None:
+            raise checks.fail(RuntimeError, "batch", "batch() blocks do not nest")
         group = Batch(self.rank)
-        backends = [b for b in (self._host, self._nccl) if b is not None]
+        backends = [b for b in (router.host, router.device) if b is not None]
         for backend in backends:
             backend.begin_group(group)
-        self._batch = group
+        checks.batch = group
         self._prepared.disable()   # every call inside is queued by the general path
         cancel = True   # unless the block ends without an exception
         try:
             yield group
             cancel = False
         finally:
-            self._batch = None
-            if not self._closed:
+            checks.batch = None
+            if not checks.closed:
                 self._prepared.enable()
             for backend in backends:
                 backend.end_group(group, cancel)
 
-
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
         """Wait until every rank has called barrier (host processes, not CUDA streams: finish
         device work first with ``work.synchronize()`` or a stream synchronize if needed)."""
-        self._check_open("barrier")
-        return self._host.barrier(async_op)
+        self._checks.check_open("barrier")
+        return self._router.host.barrier(async_op)
 
     # -- many small arrays (see cupycomm.coalesce) ------------------------------------------------
     def all_reduce_coalesced(self, arrays: Sequence[Any], *, op: Op = _SUM,
@@ -684,7 +570,6 @@ class Communicator(Dispatch, Validation):
         ``bucket.all_reduce()`` is one call per dtype without packing."""
         return coalesce.Bucket(self, arrays)
 
-
     # -- Python objects (pickled: for trusted peers only; see cupycomm.objects) -------------------
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Root's ``obj`` on every rank (``obj`` is only read on the root).
@@ -694,7 +579,7 @@ class Communicator(Dispatch, Validation):
             comm.broadcast_object({"lr": 0.1} if comm.rank == 0 else None)
             # Rank 0: {'lr': 0.1}   Rank 1: {'lr': 0.1}
         """
-        return objects.broadcast_object(self, obj, root)
+        return self._objects.broadcast(obj, root)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         """Every rank's ``obj``, as a list indexed by rank, on every rank.
@@ -703,15 +588,15 @@ class Communicator(Dispatch, Validation):
 
             comm.all_gather_object(f"host{comm.rank}")   # both: ['host0', 'host1']
         """
-        return objects.all_gather_object(self, obj)
+        return self._objects.all_gather(obj)
 
     def gather_object(self, obj: Any, root: int = 0) -> Optional[List[Any]]:
         """Every rank's ``obj`` as a list on the root; None elsewhere."""
-        return objects.gather_object(self, obj, root)
+        return self._objects.gather(obj, root)
 
     def scatter_object(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
         """Rank ``j`` gets ``objs[j]`` of the root (``objs`` is only read on the root)."""
-        return objects.scatter_object(self, objs, root)
+        return self._objects.scatter(objs, root)
 
     # -- subgroups --------------------------------------------------------------------------------
     def split(self, color: Optional[int], key: Optional[int] = None) -> Optional["Communicator"]:
@@ -727,13 +612,8 @@ class Communicator(Dispatch, Validation):
             half = comm.split(comm.rank % 2)    # ranks 0, 2 and ranks 1, 3
             half.rank, half.size                # Rank 0: (0, 2)  Rank 1: (0, 2)  Rank 2: (1, 2)
         """
-        self._check_open("split")
-        if color is not None and (isinstance(color, bool)
-                                  or not isinstance(color, (int, np.integer)) or color < 0):
-            raise self._fail(ValueError, "split", f"color must be an int >= 0 or None, got "
-                                                  f"{color!r}")
-        if key is not None and (isinstance(key, bool) or not isinstance(key, (int, np.integer))):
-            raise self._fail(TypeError, "split", f"key must be an int or None, got {key!r}")
+        self._checks.check_open("split")
+        self._checks.check_split(color, key)
         return self._subgroup(None if color is None else int(color),
                               self.rank if key is None else int(key), f"split({color})")
 
@@ -745,52 +625,39 @@ class Communicator(Dispatch, Validation):
 
             group = comm.new_group([0, 2])   # Rank 0: rank 0 of 2   Rank 1: None   Rank 2: 1 of 2
         """
-        self._check_open("new_group")
-        members = list(ranks) if isinstance(ranks, (list, tuple, range)) else None
-        if not members:
-            raise self._fail(ValueError, "new_group", f"ranks must be a non-empty list of "
-                                                      f"ranks, got {ranks!r}")
-        for member in members:
-            self._check_rank("new_group", "ranks", member)
-        if len(set(members)) != len(members):
-            repeated = sorted({r for r in members if members.count(r) > 1})
-            raise self._fail(ValueError, "new_group", f"ranks repeats {repeated}: each rank "
-                                                      f"may appear once")
-        ordered = sorted(members)
+        self._checks.check_open("new_group")
+        ordered = self._checks.check_members(ranks)
         mine = self.rank in ordered
         return self._subgroup(0 if mine else None, ordered.index(self.rank) if mine else 0,
                               f"group{ordered}")
 
     def _subgroup(self, color: Optional[int], key: int, label: str) -> Optional["Communicator"]:
+        router = self._router
         sub = self._mpi.Split(MPI.UNDEFINED if color is None else color, key)
-        raw = self._nccl.split(color, key) if self._nccl is not None else None
+        raw = router.device.split(color, key) if router.device is not None else None
         if color is None:
             return None
-        return Communicator(sub, device=self._device_choice, device_module=self._cupy,
-                            timeout=self.timeout, debug=self.debug,
-                            name=f"{self.name}/{label}", device_rank=self._device_rank,
-                            nccl_comm=raw)
+        return Communicator.create(sub, name=f"{self.name}/{label}", timeout=self.timeout,
+                                   device=router.device_choice, device_module=router.cupy,
+                                   debug=self.debug, device_rank=router.device_rank,
+                                   nccl_comm=raw)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Free the NCCL communicator and the MPI duplicate. Closing twice is harmless; any
         other call afterwards raises :class:`~cupycomm.errors.CommClosedError`."""
-        if self._closed:
+        if self._checks.closed:
             return
-        self._closed = True
-        self._backends = {}
+        self._checks.closed = True
         self._prepared.disable()
+        tracker = self.parts.tracker
         try:   # calls still in flight are waited for while the watchdog still looks
-            if not MPI.Is_finalized():
-                self._host.close()
-            if self._nccl is not None:
-                self._nccl.close()
+            self._router.close()
         finally:
-            unwatch(self._tracker)
-            self._tracker.leave()
+            unwatch(tracker)
+            tracker.leave()
             if not MPI.Is_finalized():
-                if self._objects is not None:
-                    self._objects.Free()
+                self._objects.close()
                 self._mpi.Free()
 
     def __enter__(self) -> "Communicator":
@@ -800,70 +667,5 @@ class Communicator(Dispatch, Validation):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"device={self._device_id}"
+        state = "closed" if self.closed else f"device={self._router.device_id}"
         return f"<cupycomm.Communicator {self.name} rank {self.rank} of {self.size}, {state}>"
-
-
-# -- init -----------------------------------------------------------------------------------------
-_default: Optional[Communicator] = None
-
-
-def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
-         timeout: Optional[float] = None, abort_on_exception: Optional[bool] = None,
-         debug: Optional[bool] = None, device_module: Any = None) -> Communicator:
-    """Start cupycomm in this process and return a :class:`Communicator`.
-
-    Args:
-        mpi_comm: an mpi4py communicator to build on (it is duplicated: cupycomm's traffic
-            never mixes with yours). Default: every rank of the job, and then ``init()`` is
-            idempotent: later calls return the same communicator until it is closed.
-        device: the CUDA device of this rank; default: local rank modulo the node's GPUs.
-        timeout: seconds before a blocked collective is declared hung (default
-            :data:`DEFAULT_TIMEOUT`, or the CUPYCOMM_TIMEOUT environment variable).
-        abort_on_exception: abort the whole MPI job when an exception escapes on any rank
-            (default on; CUPYCOMM_ABORT_ON_EXCEPTION=0 turns it off).
-        debug: before each collective, check across ranks that every rank calls the same
-            collective with matching arguments (default off; CUPYCOMM_DEBUG=1 turns it on).
-        device_module: the module that provides device arrays, streams and NCCL; default
-            CuPy. The test suite passes its host-memory NCCL stand-in here.
-
-    Example (2 ranks)::
-
-        from mpi4py import MPI
-        comm = cupycomm.init()                  # every rank of the job
-        alone = MPI.COMM_WORLD.Split(comm.rank)  # an mpi4py communicator of your own
-        with cupycomm.init(alone) as sub:       # built on a duplicate of it
-            sub.all_reduce(numpy.ones(2))       # Rank 0: array([1., 1.])  Rank 1: the same
-        alone.Free()
-    """
-    global _default
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"init: timeout must be a positive number of seconds, got {timeout!r}")
-    if device is not None and (type(device) is not int or device < 0):
-        raise ValueError(f"init: device must be a CUDA device number >= 0, got {device!r}")
-    if mpi_comm is None and _default is not None and not _default.closed:
-        asked = {"device": (device, _default._device_choice),
-                 "timeout": (timeout, _default.timeout), "debug": (debug, _default.debug)}
-        for name, (wanted, current) in asked.items():
-            if wanted is not None and wanted != current:
-                raise ValueError(f"init: already initialized with {name}={current!r}, now "
-                                 f"asked for {name}={wanted!r}; close() the communicator first")
-        return _default
-    if timeout is None:
-        timeout = _env.read("CUPYCOMM_TIMEOUT")
-    if debug is None:
-        debug = _env.read("CUPYCOMM_DEBUG")
-    if abort.abort_enabled(abort_on_exception):
-        abort.install_abort_handler()
-    exit_records.start()   # under python -m cupycomm.run: this rank's end will be known
-    flight.install_signal()
-    parent = _bootstrap.world() if mpi_comm is None else mpi_comm
-    if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
-        raise TypeError(f"init: mpi_comm must be an mpi4py communicator, got {parent!r}")
-    _bootstrap.check_launch(parent)   # N singletons where the launcher started N: an error
-    comm = Communicator(parent.Dup(), device=device, device_module=device_module,
-                        timeout=timeout, debug=debug,
-                        name="world" if mpi_comm is None else "mpi_comm")
-    if mpi_comm is None:
-        _default = comm
-    return comm

@@ -10,51 +10,69 @@ the watchdog like every other blocking call.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
+from mpi4py import MPI
 from mpi4py.util import pkl5
 
-__all__ = ["broadcast_object", "all_gather_object", "gather_object", "scatter_object"]
+from ._validate import Checks
+from .faults.watchdog import Tracker
+
+__all__ = ["Objects"]
 
 
-def _pickled(comm: Any) -> pkl5.Intracomm:
-    if comm._objects is None:
-        comm._objects = pkl5.Intracomm(comm.mpi_comm.Dup())
-    return comm._objects
+class Objects:
+    """The object collectives of one communicator, as a part of it: its checks, its watchdog
+    tracker and a duplicate of its MPI communicator (made on first use, collectively).
 
+    Example (on 2 ranks, inside Communicator)::
 
-def _run(comm: Any, label: str, call, *args: Any) -> Any:
-    comm._check_open(label)
-    transport = _pickled(comm)
-    tracker = comm._tracker
-    tracker.seq += 1
-    tracker.flight.calls[tracker.seq % tracker.flight.size] = label
-    with tracker.inside(label):
-        return call(transport, *args)
+        objects = Objects(comm.mpi_comm, tracker, checks)
+        objects.all_gather(f"host{comm.rank}")   # both: ['host0', 'host1']
+    """
 
+    def __init__(self, mpi_comm: MPI.Comm, tracker: Tracker, checks: Checks) -> None:
+        self._mpi = mpi_comm
+        self._tracker = tracker
+        self._checks = checks
+        self._transport: Optional[pkl5.Intracomm] = None
 
-def broadcast_object(comm: Any, obj: Any, root: int = 0) -> Any:
-    comm._check_rank("broadcast_object", "root", root)
-    return _run(comm, "broadcast_object", pkl5.Intracomm.bcast, obj, root)
+    def _run(self, label: str, call: Callable, *args: Any) -> Any:
+        self._checks.check_open(label)
+        if self._transport is None:
+            self._transport = pkl5.Intracomm(self._mpi.Dup())
+        tracker = self._tracker
+        tracker.seq += 1
+        tracker.flight.calls[tracker.seq % tracker.flight.size] = label
+        with tracker.inside(label):
+            return call(self._transport, *args)
 
+    def broadcast(self, obj: Any, root: int = 0) -> Any:
+        self._checks.check_rank("broadcast_object", "root", root)
+        return self._run("broadcast_object", pkl5.Intracomm.bcast, obj, root)
 
-def all_gather_object(comm: Any, obj: Any) -> List[Any]:
-    return _run(comm, "all_gather_object", pkl5.Intracomm.allgather, obj)
+    def all_gather(self, obj: Any) -> List[Any]:
+        return self._run("all_gather_object", pkl5.Intracomm.allgather, obj)
 
+    def gather(self, obj: Any, root: int = 0) -> Optional[List[Any]]:
+        self._checks.check_rank("gather_object", "root", root)
+        return self._run("gather_object", pkl5.Intracomm.gather, obj, root)
 
-def gather_object(comm: Any, obj: Any, root: int = 0) -> Optional[List[Any]]:
-    comm._check_rank("gather_object", "root", root)
-    return _run(comm, "gather_object", pkl5.Intracomm.gather, obj, root)
+    def scatter(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
+        checks = self._checks
+        checks.check_rank("scatter_object", "root", root)
+        if objs is not None or checks.rank == root:   # checked wherever given: every rank alike
+            if not isinstance(objs, (list, tuple)) or len(objs) != checks.size:
+                got = f"a {type(objs).__name__} of length {len(objs)}" if isinstance(
+                    objs, (list, tuple)) else repr(type(objs).__name__)
+                raise checks.fail(ValueError, "scatter_object", f"objs must be a list of "
+                                                                f"{checks.size} objects (one "
+                                                                f"per rank), got {got}")
+        return self._run("scatter_object", pkl5.Intracomm.scatter,
+                         list(objs) if objs is not None and checks.rank == root else None,
+                         root)
 
-
-def scatter_object(comm: Any, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
-    comm._check_rank("scatter_object", "root", root)
-    if objs is not None or comm.rank == root:   # checked wherever given: alike on every rank
-        if not isinstance(objs, (list, tuple)) or len(objs) != comm.size:
-            got = f"a {type(objs).__name__} of length {len(objs)}" if isinstance(
-                objs, (list, tuple)) else repr(type(objs).__name__)
-            raise comm._fail(ValueError, "scatter_object", f"objs must be a list of "
-                                                           f"{comm.size} objects (one per "
-                                                           f"rank), got {got}")
-    return _run(comm, "scatter_object", pkl5.Intracomm.scatter,
-                list(objs) if comm.rank == root else None, root)
+    def close(self) -> None:
+        """Free the duplicate, if made (MPI still initialized)."""
+        if self._transport is not None:
+            self._transport.Free()

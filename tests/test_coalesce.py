@@ -53,17 +53,17 @@ def test_coalesced_calls_reuse_their_buffer_and_stay_correct(lib, comm):
         comm.all_reduce_coalesced(arrays)
         for array, want in zip(arrays, expected(comm, "sum", salt=10 * step)):
             assert_equal(lib, array, want, "sum")
-        kept.append({id(plan.flat) for plan in comm._staging._free.values()})
+        kept.append({id(plan.flat) for plan in comm.parts.staging._free.values()})
     shared = [d for d in set(DTYPES) if DTYPES.count(d) > 1]   # the dtypes that get packed
     assert len(kept[0]) >= len(shared)
     assert kept[0] == kept[1] == kept[2]
 
 
 def test_coalesced_keeps_a_bounded_number_of_buffers(lib, comm):
-    keep = comm._staging.KEEP
+    keep = comm.parts.staging.KEEP
     for n in range(2, keep + 6):   # a new set of shapes each call
         comm.all_reduce_coalesced([lib.array(np.ones(n)), lib.array(np.ones(3))])
-    assert len(comm._staging._free) == keep
+    assert len(comm.parts.staging._free) == keep
 
 
 def test_coalesced_empty_list_does_nothing(lib, comm):
@@ -87,21 +87,21 @@ def test_coalesced_rejects_bad_input_before_communication(lib, comm, case, kind,
              "int-avg": lambda: comm.all_reduce_coalesced([lib.array(np.ones(2, np.int32))],
                                                           op="avg"),
              "mixed": lambda: comm.all_reduce_coalesced([lib.array(np.ones(2)), other])}
-    seq = comm._tracker.seq
+    seq = comm.parts.tracker.seq
     with pytest.raises(kind, match=pattern):
         calls[case]()
-    assert comm._tracker.seq == seq
+    assert comm.parts.tracker.seq == seq
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_bucket_arrays_are_views_reduced_in_one_call_per_dtype(lib, comm, mode):
     bucket = comm.bucket(make_arrays(lib, comm.rank))
     assert len(bucket.flats) == len(set(DTYPES))
-    before = comm._tracker.seq
+    before = comm.parts.tracker.seq
     result = bucket.all_reduce(op="sum", async_op=mode == "async")
     if mode == "async":
         result = result.wait()
-    assert comm._tracker.seq - before == len(set(DTYPES))
+    assert comm.parts.tracker.seq - before == len(set(DTYPES))
     assert result is bucket.arrays
     for array, want in zip(bucket.arrays, expected(comm, "sum")):
         assert_equal(lib, array, want)
@@ -119,10 +119,10 @@ def test_bucket_average(lib, comm):
 
 def test_bucket_checks_the_op_against_every_dtype_before_any_call(lib, comm):
     bucket = comm.bucket([lib.array(np.full(2, comm.rank + 1.0)), lib.array(np.ones(2, np.int32))])
-    seq = comm._tracker.seq
+    seq = comm.parts.tracker.seq
     with pytest.raises(ValueError, match=r"bucket.all_reduce: op='avg' is not defined for int32"):
         bucket.all_reduce(op="avg")
-    assert comm._tracker.seq == seq, "communication started before the error"
+    assert comm.parts.tracker.seq == seq, "communication started before the error"
     assert_equal(lib, bucket.arrays[0], np.full(2, comm.rank + 1.0))   # not averaged
     bucket.all_reduce(op="max")
     assert_equal(lib, bucket.arrays[0], np.full(2, float(comm.size)))

@@ -254,7 +254,7 @@ def test_split_works_without_comm_split_as_on_cupy_13(monkeypatch):
     with STANDIN.comm() as comm:
         comm.init_device()
         half = comm.split(comm.rank % 2)
-        assert half._nccl is None   # made from a new unique id on first use instead
+        assert half.parts.router.device is None   # made from a new unique id on first use instead
         total = half.all_reduce(standin.asarray(np.array([1], np.int64)))
         assert standin.asnumpy(total).tolist() == [half.size]
         half.close()

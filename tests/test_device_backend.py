@@ -24,8 +24,8 @@ def test_sync_collective_runs_on_the_caller_stream_then_records_the_watchdogs_ev
     before = len(dcomm.init_device().stream.log)
     with caller:
         dcomm.all_reduce(x)
-    assert caller.log == ["nccl allReduce", f"record {dcomm._nccl._finished.name}"]
-    assert len(dcomm._nccl.stream.log) == before
+    assert caller.log == ["nccl allReduce", f"record {dcomm.parts.router.device._finished.name}"]
+    assert len(dcomm.parts.router.device.stream.log) == before
     assert_equal(STANDIN, x, np.full(4, float(dcomm.size)))
 
 
@@ -65,7 +65,7 @@ def test_async_collective_leaves_the_caller_stream_alone_until_wait(dcomm):
     x = sd.asarray(np.ones(3))
     with caller:
         work = dcomm.all_reduce(x, async_op=True)
-        assert caller.log == [f"record {dcomm._nccl._ready.name}"]
+        assert caller.log == [f"record {dcomm.parts.router.device._ready.name}"]
         assert work.wait() is x
         assert caller.log[-1].startswith("wait event")
         caller.synchronize()   # wait() only orders the caller's stream: the GPU may be busy
@@ -76,10 +76,10 @@ def test_async_collective_leaves_the_caller_stream_alone_until_wait(dcomm):
 def test_stream_argument_launches_there_without_events_from_other_streams(dcomm):
     mine = sd.Stream(non_blocking=True)
     x = sd.asarray(np.ones(2))
-    before = len(dcomm._nccl.stream.log)
+    before = len(dcomm.parts.router.device.stream.log)
     assert dcomm.all_reduce(x, stream=mine) is x
-    assert mine.log == ["nccl allReduce", f"record {dcomm._nccl._finished.name}"]
-    assert len(dcomm._nccl.stream.log) == before
+    assert mine.log == ["nccl allReduce", f"record {dcomm.parts.router.device._finished.name}"]
+    assert len(dcomm.parts.router.device.stream.log) == before
     work = dcomm.broadcast(x, 0, stream=mine, async_op=True)
     assert mine.log[-2:] == ["nccl bcast", mine.log[-1]] and mine.log[-1].startswith("record")
     work.synchronize()
@@ -103,14 +103,14 @@ def test_work_keeps_its_arrays_alive_until_completion(dcomm):
 
 def test_lazy_creation_and_close():
     comm = STANDIN.comm()
-    assert comm._nccl is None
+    assert comm.parts.router.device is None
     comm.all_reduce(np.ones(2))          # host work never creates the NCCL communicator
-    assert comm._nccl is None
+    assert comm.parts.router.device is None
     with pytest.raises(RuntimeError, match=r"call comm.init_device\(\) on every rank"):
         comm.sendrecv(sd.asarray(np.ones(1)), 0, sd.empty(1), 0)
-    assert comm._nccl is None
+    assert comm.parts.router.device is None
     assert_equal(STANDIN, comm.all_reduce(sd.asarray(np.ones(2))), np.full(2, float(comm.size)))
-    backend = comm._nccl
+    backend = comm.parts.router.device
     assert backend is not None and comm.device.id == 0
     raw = backend._comm
     comm.close()
@@ -252,7 +252,7 @@ def test_split_waits_for_the_collectives_in_flight_first(dcomm):
 def test_nccl_failure_is_a_named_error(dcomm, monkeypatch):
     def broken(*args):
         raise sd.NcclError("unhandled cuda error")
-    monkeypatch.setattr(dcomm._nccl._comm, "allReduce", broken)
+    monkeypatch.setattr(dcomm.parts.router.device._comm, "allReduce", broken)
     with pytest.raises(cupycomm.NcclError, match=r"all_reduce: NCCL failed on rank \d+: "
                                                  r"unhandled cuda error"):
         dcomm.all_reduce(sd.asarray(np.ones(2)))
@@ -261,7 +261,7 @@ def test_nccl_failure_is_a_named_error(dcomm, monkeypatch):
 def test_asynchronous_nccl_error_surfaces_while_waiting(dcomm):
     held = sd.Stream(non_blocking=True, deferred=True)
     work = dcomm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)
-    dcomm._nccl._comm.async_error = "remote process exited"
+    dcomm.parts.router.device._comm.async_error = "remote process exited"
     with pytest.raises(cupycomm.NcclError, match="remote process exited"):
         work.synchronize(timeout=5)
     held.pending.clear()   # the collective never ran anywhere: drop it on every rank
@@ -270,14 +270,14 @@ def test_asynchronous_nccl_error_surfaces_while_waiting(dcomm):
 def test_device_timeout_aborts_the_nccl_communicator(dcomm):
     held = sd.Stream(non_blocking=True, deferred=True)
     work = dcomm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)
-    seq = dcomm._tracker.seq
+    seq = dcomm.parts.tracker.seq
     with pytest.raises(cupycomm.CollectiveTimeout,
                        match=rf"all_reduce #{seq}: not completed after 0.2 s on rank \d+; .*"
                              rf"the NCCL communicator was aborted") as raised:
         work.wait(timeout=0.2)
     assert (raised.value.collective, raised.value.seq) == ("all_reduce", seq)
     held.pending.clear()
-    assert not dcomm._nccl._comm._alive
+    assert not dcomm.parts.router.device._comm._alive
     with pytest.raises(cupycomm.NcclError, match="aborted"):
         dcomm.all_reduce(sd.asarray(np.ones(2)))
     dcomm.all_reduce(np.ones(2))   # the host backend is untouched
@@ -335,7 +335,7 @@ def test_watchdog_aborts_a_stuck_device_communicator(capfd):
     with STANDIN.comm(timeout=0.5) as comm:
         comm.init_device()
         caller = sd.Stream(non_blocking=True, deferred=True)
-        comm._nccl.stream.deferred = True           # a GPU that never gets to the collective
+        comm.parts.router.device.stream.deferred = True           # a GPU that never gets to the collective
         with caller:
             comm.all_reduce(sd.asarray(np.ones(2)))
         # The watchdog thread marks the communicator aborted, then prints why: wait for both.
@@ -343,11 +343,11 @@ def test_watchdog_aborts_a_stuck_device_communicator(capfd):
         while "communicator was aborted" not in printed and time.monotonic() < deadline:
             time.sleep(0.05)
             printed += capfd.readouterr().err
-        assert "have not finished after" in comm._nccl._aborted
+        assert "have not finished after" in comm.parts.router.device._aborted
         assert "the NCCL communicator was aborted" in printed
-        comm._nccl.stream.pending.clear()            # the collective never ran on any rank
+        comm.parts.router.device.stream.pending.clear()            # the collective never ran on any rank
         caller.pending.clear()
-        comm._nccl.stream.deferred = False
+        comm.parts.router.device.stream.deferred = False
         with pytest.raises(cupycomm.NcclError, match="was aborted"):
             comm.all_reduce(sd.asarray(np.ones(2)))
 
@@ -377,8 +377,8 @@ def test_async_works_take_their_events_from_those_of_completed_works(dcomm, monk
     """An async call records the event of a Work that has completed instead of making one
     (CUDA events cost a driver call to create); a batch() block's shared event is not reused."""
     made = []
-    new_event = dcomm._nccl._new_event
-    monkeypatch.setattr(dcomm._nccl, "_new_event", lambda **kw: made.append(1) or new_event(**kw))
+    new_event = dcomm.parts.router.device._new_event
+    monkeypatch.setattr(dcomm.parts.router.device, "_new_event", lambda **kw: made.append(1) or new_event(**kw))
     x = sd.asarray(np.ones(2))
     first = dcomm.all_reduce(x, async_op=True)
     first.synchronize()
@@ -393,6 +393,6 @@ def test_async_works_take_their_events_from_those_of_completed_works(dcomm, monk
     third = dcomm.all_reduce(x, async_op=True)
     assert third._event is event and grouped[0]._event is grouped[1]._event is not event
     third.wait()
-    dcomm._nccl.stream.synchronize()
+    dcomm.parts.router.device.stream.synchronize()
     assert len(made) == 2   # the first Work's, and the block's
     assert_equal(STANDIN, x, np.full(2, float(dcomm.size) ** 5))

@@ -57,11 +57,11 @@ print("finished with", comm.rank, flush=True)
 
 def test_the_ring_keeps_the_last_calls_with_their_names_and_backends():
     with cupycomm.init(MPI.COMM_SELF) as comm:
-        recorder = comm._tracker.flight
+        recorder = comm.parts.tracker.flight
         for _ in range(70):
             comm.all_reduce(np.ones(2))
         comm.broadcast(np.ones(2))
-        recorder.look(comm._tracker.seq, None, comm._tracker.seq)
+        recorder.look(comm.parts.tracker.seq, None, comm.parts.tracker.seq)
         state = recorder.state()
     assert recorder.size == 64
     assert [c["seq"] for c in state["calls"]] == list(range(8, 72))

@@ -100,9 +100,9 @@ def test_device_subgroup_gets_its_nccl_communicator(monkeypatch, version, eager)
     with STANDIN.comm() as comm:
         comm.init_device()
         half = comm.split(comm.rank % 2)
-        assert (half._nccl is not None) == eager   # split now, or made on first device use
+        assert (half.parts.router.device is not None) == eager   # split now, or made on first device use
         total = half.all_reduce(standin.asarray(np.array([comm.rank], np.int64)))
-        assert half._nccl is not None
+        assert half.parts.router.device is not None
         assert_equal(STANDIN, total,
                      np.array([sum(members_of(comm, lambda r: r % 2))], np.int64))
         half.close()

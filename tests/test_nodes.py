@@ -41,24 +41,24 @@ def test_the_device_is_chosen_among_the_gpus_of_this_node():
                     return 2
 
     comm = cupycomm.init()
-    assert comm._device_rank == comm.local_rank
-    assert _bootstrap.choose_device(comm._device_rank, TwoGpus) == comm.local_rank % 2
+    assert comm.parts.router.device_rank == comm.local_rank
+    assert _bootstrap.choose_device(comm.parts.router.device_rank, TwoGpus) == comm.local_rank % 2
 
 
 def test_the_node_board_holds_the_ranks_of_this_node_only():
     comm = cupycomm.init()
     if comm.size == 1:
-        assert comm._tracker.board is None
+        assert comm.parts.tracker.board is None
         return
     nodes = nodes_of(comm)
     here = [rank for rank, node in enumerate(nodes) if node == nodes[comm.rank]]
-    assert sorted(int(row[RANK]) for row in comm._tracker.board.rows) == here
+    assert sorted(int(row[RANK]) for row in comm.parts.tracker.board.rows) == here
 
 
 def test_heartbeats_join_the_nodes_and_only_them():
     comm = cupycomm.init()
     nodes = nodes_of(comm)
-    beats = comm._tracker.beats
+    beats = comm.parts.tracker.beats
     if len(set(nodes)) == 1:
         assert beats is None
         return
@@ -73,7 +73,7 @@ def test_a_subgroup_within_one_node_has_no_heartbeats():
     sub = comm.split(nodes.index(nodes[comm.rank]))   # one subgroup per node
     try:
         assert sub.size == nodes.count(nodes[comm.rank])
-        assert sub._tracker.beats is None
+        assert sub.parts.tracker.beats is None
     finally:
         sub.close()
 
@@ -90,7 +90,7 @@ def test_one_rank_per_node_prints_where_its_nodes_ranks_are(monkeypatch):
         block = io.StringIO()
         for rank in turns:
             if rank == comm.rank:
-                comm._tracker.flight.report("test", block)
+                comm.parts.tracker.flight.report("test", block)
             MPI.COMM_WORLD.Barrier()
     first = here[1] if len(here) > 1 else here[0]
     ranks = (f"ranks {here[0]}-{here[-1]}" if comm.rank == first and len(here) > 1

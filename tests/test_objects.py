@@ -44,7 +44,7 @@ def test_large_object_over_64_mib(hcomm):
 
 
 def test_object_calls_validate_before_communication(hcomm):
-    seq = hcomm._tracker.seq
+    seq = hcomm.parts.tracker.seq
     with pytest.raises(ValueError, match=r"broadcast_object: root=-1 is not a rank"):
         hcomm.broadcast_object(1, -1)
     with pytest.raises(ValueError, match=r"scatter_object: objs must be a list of \d+ objects "
@@ -52,7 +52,7 @@ def test_object_calls_validate_before_communication(hcomm):
         hcomm.scatter_object([], 0)
     with pytest.raises(ValueError, match=r"objs must be a list of \d+ objects .* got 'dict'"):
         hcomm.scatter_object({}, 0)
-    assert hcomm._tracker.seq == seq
+    assert hcomm.parts.tracker.seq == seq
     assert hcomm.all_gather_object(hcomm.rank) == list(range(hcomm.size))
 
 

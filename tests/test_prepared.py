@@ -79,7 +79,7 @@ def test_the_common_case_takes_the_prepared_call(host, name, async_op, monkeypat
     """With the backend's general methods made to fail, the common case still works: it ran
     the prepared call, and gave the NumPy reference (async: a Work whose wait() gives it)."""
     call, expected = common_calls(AsyncCalls(host) if async_op else host)[name]
-    monkeypatch.setattr(host._host, name.split()[0], _refuse)
+    monkeypatch.setattr(host.parts.router.host, name.split()[0], _refuse)
     got = call()
     if async_op:
         assert isinstance(got, cupycomm.Work)
@@ -106,11 +106,11 @@ def test_the_completed_started_calls_are_let_go(host):
     """A started call's Work is kept in the backend's in-flight queue (MPI may write into its
     arrays until it completes), and let go at the next start once it has completed."""
     works = [host.all_reduce(np.ones(2), async_op=True) for _ in range(3)]
-    assert works[-1] in host._host._inflight
+    assert works[-1] in host.parts.router.host._inflight
     for work in works:
         work.wait()
     last = host.broadcast(np.ones(2), async_op=True)
-    assert list(host._host._inflight) == [last]
+    assert list(host.parts.router.host._inflight) == [last]
     last.wait()
 
 
@@ -135,7 +135,7 @@ def arm_tripwires(comm):
     for async_op, tables in ((False, prepared.blocking), (True, prepared.started)):
         for name, by_dtype in tables.items():
             for dtype in DTYPES:
-                made = comm._host.prepare(name, dtype, name in REDUCTIONS, async_op)
+                made = comm.parts.router.host.prepare(name, dtype, name in REDUCTIONS, async_op)
                 if isinstance(made, dict):
                     by_dtype[dtype] = {op: run and _refuse for op, run in made.items()}
                 else:
@@ -150,10 +150,10 @@ def test_the_bad_input_suite_is_refused_while_prepared_calls_are_ready(host, cas
     the same error, before any communication, and no prepared call runs for it."""
     _, call, kind, pattern = case
     arm_tripwires(host)
-    seq = host._tracker.seq
+    seq = host.parts.tracker.seq
     with pytest.raises(kind, match=pattern):
         call(AsyncCalls(host) if async_op else host, HOST)
-    assert host._tracker.seq == seq, "communication started before the error"
+    assert host.parts.tracker.seq == seq, "communication started before the error"
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])

@@ -98,10 +98,10 @@ CASES = cases()
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_raises_before_communication(lib, comm, case):
     _, call, kind, pattern = case
-    seq = comm._tracker.seq
+    seq = comm.parts.tracker.seq
     with pytest.raises(kind, match=pattern):
         call(comm, lib)
-    assert comm._tracker.seq == seq, "communication started before the error"
+    assert comm.parts.tracker.seq == seq, "communication started before the error"
     x = lib.array(rank_input(comm.rank, (3,), F8))
     assert_equal(lib, comm.all_reduce(x), all_inputs(comm.size, (3,), F8).sum(0))
 
@@ -173,10 +173,10 @@ def test_read_only_results_are_refused_on_every_rank(name, arg, call):
     if name in ("recv",) and cupycomm.communicator.MPI.COMM_WORLD.Get_size() < 2:
         pytest.skip("recv needs 2 ranks (a rank cannot receive from itself); ran with 1")
     with HOST.comm() as comm:
-        seq = comm._tracker.seq
+        seq = comm.parts.tracker.seq
         with pytest.raises(ValueError, match=f"{name}: {arg} is read-only, but {name} writes"):
             call(comm)
-        assert comm._tracker.seq == seq, "communication started before the error"
+        assert comm.parts.tracker.seq == seq, "communication started before the error"
         assert_equal(HOST, comm.all_reduce(np.ones(2)), np.full(2, float(comm.size)))
 
 

@@ -117,7 +117,7 @@ def _checked(comm: Any, name: str, method: Callable) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         if len(args) > len(names) or not set(kwargs) <= set(names):
             return method(*args, **kwargs)   # the call's own TypeError, on every rank alike
-        comm._check_open(name)
+        comm.parts.checks.check_open(name)
         given = dict(zip(names, args), **kwargs)
         arguments = {n: given[n] if n in given else defaults[n] for n in names
                      if n in given or n in defaults}
@@ -127,9 +127,9 @@ def _checked(comm: Any, name: str, method: Callable) -> Callable:
         # uneven splits are given, which only the whole exchange can cross-check) do they
         # exchange the whole fingerprints, to say who differs and how.
         checksum = zlib.crc32(repr(print_).encode())
-        checksums = comm._host.gather_ints([checksum], "debug check")
+        checksums = comm.parts.router.host.gather_ints([checksum], "debug check")
         if (checksums != checksum).any() or splits != (None, None):
-            gathered = comm._host.gather_objects((print_, splits), "debug check")
+            gathered = comm.parts.router.host.gather_objects((print_, splits), "debug check")
             _raise_on_disagreement(comm, name, print_, gathered)
         return method(*args, **kwargs)
     return call
@@ -137,7 +137,7 @@ def _checked(comm: Any, name: str, method: Callable) -> Callable:
 
 def _raise_on_disagreement(comm: Any, name: str, mine: Tuple, gathered: List[Tuple]) -> None:
     prints = [p for p, _ in gathered]
-    seq = comm._tracker.seq + 1
+    seq = comm.parts.tracker.seq + 1
     if any(p != mine for p in prints):
         raise CollectiveMismatch(f"{name} {_mismatch(seq, prints)} (seen on rank {comm.rank})")
     disagreement = _splits_mismatch([s for _, s in gathered])

@@ -1,0 +1,114 @@
+"""``cupycomm.init()``: start cupycomm in this process, in named steps.
+
+1. :func:`_check_arguments`: refuse a bad timeout or device before anything happens;
+2. :func:`_current`: the default communicator already made, if it fits the arguments;
+3. :func:`_settings`: what the arguments leave unsaid, from the CUPYCOMM_* variables;
+4. :func:`_install_process_hooks`: the abort handler, the exit record and the flight
+   recorder's signal (each once per process);
+5. :func:`_parent`: the MPI communicator to build on, which ``_bootstrap.check_launch``
+   holds against the launcher's world (N singletons where it started N ranks: an error);
+6. the Communicator over a duplicate of it (:meth:`~cupycomm.communicator.Communicator.create`).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from mpi4py import MPI
+
+from . import _bootstrap, _env
+from .communicator import Communicator
+from .faults import abort, flight
+from .run import exit_records
+
+__all__ = ["init"]
+
+_default: Optional[Communicator] = None   # init()'s communicator of every rank of the job
+
+
+def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
+         timeout: Optional[float] = None, abort_on_exception: Optional[bool] = None,
+         debug: Optional[bool] = None, device_module: Any = None) -> Communicator:
+    """Start cupycomm in this process and return a :class:`~cupycomm.Communicator`.
+
+    Args:
+        mpi_comm: an mpi4py communicator to build on (it is duplicated: cupycomm's traffic
+            never mixes with yours). Default: every rank of the job, and then ``init()`` is
+            idempotent: later calls return the same communicator until it is closed.
+        device: the CUDA device of this rank; default: local rank modulo the node's GPUs.
+        timeout: seconds before a blocked collective is declared hung (default
+            :data:`~cupycomm.DEFAULT_TIMEOUT`, or the CUPYCOMM_TIMEOUT environment variable).
+        abort_on_exception: abort the whole MPI job when an exception escapes on any rank
+            (default on; CUPYCOMM_ABORT_ON_EXCEPTION=0 turns it off).
+        debug: before each collective, check across ranks that every rank calls the same
+            collective with matching arguments (default off; CUPYCOMM_DEBUG=1 turns it on).
+        device_module: the module that provides device arrays, streams and NCCL; default
+            CuPy. The test suite passes its host-memory NCCL stand-in here.
+
+    Example (2 ranks)::
+
+        from mpi4py import MPI
+        comm = cupycomm.init()                  # every rank of the job
+        alone = MPI.COMM_WORLD.Split(comm.rank)  # an mpi4py communicator of your own
+        with cupycomm.init(alone) as sub:       # built on a duplicate of it
+            sub.all_reduce(numpy.ones(2))       # Rank 0: array([1., 1.])  Rank 1: the same
+        alone.Free()
+    """
+    global _default
+    _check_arguments(timeout, device)
+    if mpi_comm is None:
+        current = _current(device, timeout, debug)
+        if current is not None:
+            return current
+    timeout, debug = _settings(timeout, debug)
+    _install_process_hooks(abort_on_exception)
+    parent = _parent(mpi_comm)
+    _bootstrap.check_launch(parent)   # N singletons where the launcher started N: an error
+    comm = Communicator.create(parent.Dup(), name="world" if mpi_comm is None else "mpi_comm",
+                               timeout=timeout, device=device, device_module=device_module,
+                               debug=debug)
+    if mpi_comm is None:
+        _default = comm
+    return comm
+
+
+def _check_arguments(timeout: Optional[float], device: Optional[int]) -> None:
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"init: timeout must be a positive number of seconds, got {timeout!r}")
+    if device is not None and (type(device) is not int or device < 0):
+        raise ValueError(f"init: device must be a CUDA device number >= 0, got {device!r}")
+
+
+def _current(device: Optional[int], timeout: Optional[float],
+             debug: Optional[bool]) -> Optional[Communicator]:
+    """The default communicator if it is open (and was made with the settings asked for:
+    else ValueError), or None."""
+    if _default is None or _default.closed:
+        return None
+    asked = {"device": (device, _default.parts.router.device_choice),
+             "timeout": (timeout, _default.timeout), "debug": (debug, _default.debug)}
+    for name, (wanted, current) in asked.items():
+        if wanted is not None and wanted != current:
+            raise ValueError(f"init: already initialized with {name}={current!r}, now "
+                             f"asked for {name}={wanted!r}; close() the communicator first")
+    return _default
+
+
+def _settings(timeout: Optional[float], debug: Optional[bool]) -> Tuple[float, bool]:
+    """(timeout, debug): the arguments, or else the CUPYCOMM_* variables' values."""
+    return (_env.read("CUPYCOMM_TIMEOUT") if timeout is None else timeout,
+            _env.read("CUPYCOMM_DEBUG") if debug is None else debug)
+
+
+def _install_process_hooks(abort_on_exception: Optional[bool]) -> None:
+    if abort.abort_enabled(abort_on_exception):
+        abort.install_abort_handler()   # an exception on one rank ends the whole job
+    exit_records.start()     # under python -m cupycomm.run: this rank's end will be known
+    flight.install_signal()  # a signal dumps the flight recorder
+
+
+def _parent(mpi_comm: Optional[MPI.Comm]) -> MPI.Comm:
+    """``mpi_comm``, or every rank of the job; TypeError where it is not a communicator."""
+    parent = _bootstrap.world() if mpi_comm is None else mpi_comm
+    if not isinstance(parent, MPI.Comm) or parent == MPI.COMM_NULL:
+        raise TypeError(f"init: mpi_comm must be an mpi4py communicator, got {parent!r}")
+    return parent
