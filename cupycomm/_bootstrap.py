@@ -38,7 +38,7 @@ def node_name() -> str:
 
 # What each launcher tells its ranks: the number of ranks it started, and each rank's place
 # on its node (measured with srun 22.05, the MPICH 4, Intel MPI 2021 and Open MPI 5 wheels'
-# launchers; cupycomm.launchers.KINDS lists all they set). A launcher started from inside
+# launchers; cupycomm.run.launchers.KINDS lists all they set). A launcher started from inside
 # another's rank (hydra's proxies under srun, say) leaves the outer one's variables beside its
 # own: the world must agree with one of them, not with all. The salloc/sbatch shell's
 # SLURM_NTASKS is the allocation's, not a job's: srun's is SLURM_STEP_NUM_TASKS.
@@ -93,9 +93,9 @@ def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> Non
             + f"The launcher must speak the process-management interface of the MPI that "
             f"mpi4py loads ({library}): under srun, --mpi=pmi2 for MPICH and Intel MPI or "
             f"--mpi=pmix for Open MPI (srun --mpi=list says which this Slurm has); else that "
-            f"MPI's own mpiexec (python -m cupycomm.launchers names the one found here). A "
+            f"MPI's own mpiexec (python -m cupycomm.run.launchers names the one found here). A "
             f"program started from inside a rank inherits these variables: start it with "
-            f"cupycomm.launchers.nested_environment(os.environ).")
+            f"cupycomm.run.launchers.nested_environment(os.environ).")
     if _local_rank_checked or comm != world():
         return
     _local_rank_checked = True
