@@ -34,7 +34,8 @@ import subprocess
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["Launcher", "find", "nested_environment", "library_kind", "KINDS"]
+__all__ = ["Launcher", "find", "nested_environment", "started_by_a_launcher", "library_kind",
+           "KINDS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +191,24 @@ class Launcher:
 def nested_environment(environ: Mapping[str, str]) -> Dict[str, str]:
     """:meth:`Launcher.environment`, for when no launcher is at hand yet."""
     return {k: v for k, v in environ.items() if not _given_by_a_launcher(k)}
+
+
+# What each launcher sets in every rank it starts, whatever the world size: PMI_RANK (hydra,
+# Intel's, srun's pmi and pmi2), PMIX_RANK (PRRTE, srun's pmix), OMPI_COMM_WORLD_RANK (Open
+# MPI's mpirun), SLURM_STEP_NUM_TASKS (srun, any --mpi; a batch script has SLURM_PROCID too).
+_RANK_OF_A_JOB = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_STEP_NUM_TASKS")
+
+
+def started_by_a_launcher(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` is that of a rank a launcher started (``mpiexec -n 1`` and ``srun
+    -n 1`` included), rather than of a process started on its own (an MPI singleton).
+
+    Example::
+
+        if not started_by_a_launcher(os.environ):
+            print("not under mpiexec: this process is a world of one")
+    """
+    return any(name in environ for name in _RANK_OF_A_JOB)
 
 
 def find(executable: Optional[str] = None) -> Launcher:
