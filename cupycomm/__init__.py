@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 # The module of each name imported at its first use. Importing mpi4py.MPI starts MPI, and the
-# tools that need none (python -m cupycomm.run, cupycomm.flight, cupycomm.launchers) import
+# tools that need none (python -m cupycomm.run, cupycomm.flight, cupycomm.run.launchers) import
 # this package too, also from inside a rank, whose launcher's variables MPI_Init would read.
 _HOMES = {"init": "communicator", "Communicator": "communicator",
           "DEFAULT_TIMEOUT": "communicator", "ReduceOp": "_dtypes", "DTYPES": "_dtypes",

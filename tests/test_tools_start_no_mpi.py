@@ -28,7 +28,7 @@ runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
     ("cupycomm.run", ["--help"], 0, "usage: python -m cupycomm.run"),
     ("cupycomm.run", [], 2, "usage: python -m cupycomm.run"),
     ("cupycomm.flight", ["{empty}"], 2, "no rank-<r>.json in"),
-    ("cupycomm.launchers", ["-n", "2"], 0, "-n 2"),
+    ("cupycomm.run.launchers", ["-n", "2"], 0, "-n 2"),
 ], ids=["run --help", "run", "flight", "launchers"])
 def test_a_tool_run_from_inside_a_rank_starts_no_mpi(tmp_path, module, args, status, said):
     args = [arg.format(empty=tmp_path) for arg in args]

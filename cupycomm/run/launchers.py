@@ -19,6 +19,7 @@ Anything else is ``other``: it gets a plain ``-n N``. :func:`find` names the lau
 environment we run in; :meth:`Launcher.command` gives the argv of a job up to the program, and
 :meth:`Launcher.environment` the environment of a job started from inside a rank. ``python -m
 cupycomm.run.launchers -n 3`` prints that argv, shell-quoted (``tests/run.sh`` uses it).
+:func:`started_by_a_launcher` tells a launcher's rank from a process started on its own.
 :func:`library_kind` names the MPI library from ``MPI.Get_library_version()``.
 """
 from __future__ import annotations

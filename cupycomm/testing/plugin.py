@@ -31,7 +31,8 @@ import pytest
 from mpi4py import MPI
 
 import cupycomm
-from cupycomm import _bootstrap, launchers
+from cupycomm import _bootstrap
+from cupycomm.run import launchers
 from cupycomm.backends.nccl import library_version
 from cupycomm.faults import abort
 
