@@ -60,7 +60,7 @@ for n in $sizes; do
     if [ -n "${UNDER_MPIEXEC:-}" ]; then
         # As users run their suites: the launcher (with the options it needs) and pytest, no
         # cupycomm.run; at one rank too, where the plugin starts no jobs of its own.
-        eval "launch=($(python -m cupycomm.launchers -n "$n"))"
+        eval "launch=($(python -m cupycomm.run.launchers -n "$n"))"
         run timeout -k 60 900 "${launch[@]}" python -m pytest --color=no "${tests[@]}" "$@"
         continue
     fi
