@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from . import devices
     from ._dtypes import DTYPES, ReduceOp
     from .communicator import DEFAULT_TIMEOUT, Communicator, init
-    from .devices import prefetch
     from .work import Work
+    prefetch = devices.prefetch
 
 __version__ = "0.1.0"
 
