@@ -3,14 +3,21 @@
 ``comm = cupycomm.init()`` under ``mpiexec -n N``; then the torch.distributed family of
 collectives on NumPy arrays (through MPI) and CuPy arrays (through NCCL).
 """
-from ._dtypes import DTYPES, ReduceOp
-from .communicator import DEFAULT_TIMEOUT, Communicator
-from ._init import init
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, List
+
 from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, NcclError,
                      PeerLost)
-from . import devices
-from .devices import prefetch
-from .work import Work
+
+if TYPE_CHECKING:
+    from . import devices
+    from ._dtypes import DTYPES, ReduceOp
+    from ._init import init
+    from .communicator import DEFAULT_TIMEOUT, Communicator
+    from .work import Work
+    prefetch = devices.prefetch
 
 __version__ = "0.1.0"
 
@@ -19,3 +26,23 @@ __all__ = [
     "CommClosedError", "CollectiveTimeout", "CollectiveMismatch", "NcclError", "PeerLost",
     "devices", "prefetch",
 ]
+
+# The module of each name imported at its first use. Importing mpi4py.MPI starts MPI, and the
+# tools that need none (python -m cupycomm.run, cupycomm.flight, cupycomm.run.launchers) import
+# this package too, also from inside a rank, whose launcher's variables MPI_Init would read.
+_HOMES = {"init": "_init", "Communicator": "communicator",
+          "DEFAULT_TIMEOUT": "communicator", "ReduceOp": "_dtypes", "DTYPES": "_dtypes",
+          "devices": "devices", "prefetch": "devices", "Work": "work"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_HOMES[name]}", __name__)
+    value = module if name == _HOMES[name] else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

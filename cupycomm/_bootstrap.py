@@ -10,9 +10,10 @@ import socket
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
-from mpi4py import MPI
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = ["world", "node_comm", "node_name", "check_launch", "LocalRankWarning", "choose_device",
            "import_cupy", "broadcast_unique_id", "track_for_exit", "describe_rank", "exiting"]
@@ -20,11 +21,15 @@ __all__ = ["world", "node_comm", "node_name", "check_launch", "LocalRankWarning"
 
 def world() -> MPI.Comm:
     """MPI_COMM_WORLD."""
+    # Imported here: importing mpi4py.MPI starts MPI, and the tools that need none (cupycomm.run,
+    # cupycomm.flight) import this module for node_name() and the records of a rank's end.
+    from mpi4py import MPI
     return MPI.COMM_WORLD
 
 
 def node_comm(comm: MPI.Comm) -> MPI.Comm:
     """The ranks of ``comm`` that share this node (MPI_COMM_TYPE_SHARED); collective."""
+    from mpi4py import MPI
     return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
 
 
@@ -85,6 +90,7 @@ def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> Non
     sizes = _said(environ, tuple(_SIZE_SAID_BY))
     if sizes and size not in sizes.values():
         said = ", ".join(f"{name}={n} ({_SIZE_SAID_BY[name]})" for name, n in sizes.items())
+        from mpi4py import MPI
         library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
         raise RuntimeError(
             f"init: MPI formed a world of {size} rank{'s' * (size != 1)}, but the launcher "
@@ -123,7 +129,7 @@ def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> Non
 
 def describe_rank(rank: Optional[int] = None) -> str:
     """'rank 3 of 4 (host node17, pid 4242)' for messages."""
-    w = MPI.COMM_WORLD
+    w = world()
     rank = w.Get_rank() if rank is None else rank
     return f"rank {rank} of {w.Get_size()} (host {node_name()}, pid {os.getpid()})"
 

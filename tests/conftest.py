@@ -12,7 +12,7 @@ from mpi4py import MPI
 from cupycomm.testing import standin
 from arrays import GPU, STANDIN, lib_params
 from conformance import shapes
-from cupycomm.testing import release
+from cupycomm.testing import launch_environment, release
 
 _SHAPES_DIRECTORY = os.environ.get(shapes.ENVIRONMENT_VARIABLE)
 _RECORDER = shapes.install(standin) if _SHAPES_DIRECTORY else None
@@ -28,6 +28,15 @@ _AGREE = MPI.COMM_WORLD.Dup() if GPU is not None else None
 def pytest_sessionfinish(session):
     if _RECORDER is not None:
         _RECORDER.write(_SHAPES_DIRECTORY)
+
+
+@pytest.fixture
+def pytester(pytester, monkeypatch):
+    """pytest's, whose sessions in this process are plain ones even where this one runs
+    under a launcher (``mpiexec -n 1``): they get none of its variables, as a job would not."""
+    for name in set(os.environ) - set(launch_environment()):
+        monkeypatch.delenv(name)
+    return pytester
 
 
 @pytest.fixture(params=lib_params())

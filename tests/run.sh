@@ -7,6 +7,7 @@
 #   bash tests/run.sh -x -k gather   # extra arguments go to every pytest run
 #   MPIEXEC=/opt/mpi/bin/mpiexec bash tests/run.sh      # that launcher (srun as well)
 #   RANKS="1 3" TESTS="tests/test_faults.py" bash tests/run.sh   # some sizes, some files
+#   UNDER_MPIEXEC=1 bash tests/run.sh   # every size, 1 too, as `mpiexec -n N python -m pytest`
 #
 # The MPI is the environment's: $MPIEXEC, else the active environment's mpiexec or the one on
 # PATH (cupycomm.run.launchers finds it and adds the options it needs, e.g. Open MPI's
@@ -56,6 +57,13 @@ unset RANKS TESTS   # ours, not the tests' (benchmarks/run_matrix reads a RANKS 
 # A hard bound on each pass on top of the plugin's per-test timeout: nothing can hang CI
 # (SIGKILL 60 s after the SIGTERM, should anything take no notice of it).
 for n in $sizes; do
+    if [ -n "${UNDER_MPIEXEC:-}" ]; then
+        # As users run their suites: the launcher (with the options it needs) and pytest, no
+        # cupycomm.run; at one rank too, where the plugin starts no jobs of its own.
+        eval "launch=($(python -m cupycomm.run.launchers -n "$n"))"
+        run timeout -k 60 900 "${launch[@]}" python -m pytest --color=no "${tests[@]}" "$@"
+        continue
+    fi
     if [ "$n" = 1 ]; then
         # isolated mode off: the mpiexec passes below run the other sizes
         run timeout -k 60 900 python -m pytest --mpi-isolated=no "${tests[@]}" "$@"

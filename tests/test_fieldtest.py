@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from cupycomm.testing import standin as sd
-from arrays import STANDIN
+from arrays import STANDIN, TORCH, TORCH_SKIP_REASON
 from cupycomm import fieldtest, selfcheck
 from cupycomm.run import launchers
 from cupycomm.__main__ import main
@@ -21,6 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 FEATURES = ["async Work", "user stream", "stream= argument", "graph capture and replay",
             "split", "new_group", "batch", "all_reduce_coalesced", "bucket", "cupycomm.devices",
             "prefetch"]
+
+# The lines that cannot pass on this machine: torch is optional (its own tests check the line).
+UNAVAILABLE = [] if TORCH is not None else [
+    ("torch tensors", "not run", "torch is not installed on every rank")]
+
+
+def _not_passed(lines):
+    return [(line["name"], line["verdict"], line["detail"]) for line in lines
+            if line["verdict"] != "pass"]
 
 
 @pytest.fixture(autouse=True)
@@ -54,14 +63,14 @@ def test_every_line_passes_on_the_standin_and_the_file_holds_versions_and_topolo
                                     else None, root=0)
         size = comm.size
     assert status == fieldtest.EXIT_PASSED == found["exit_status"]
-    failed = [line for line in found["lines"] if line["verdict"] != "pass"]
-    assert not failed
+    assert _not_passed(found["lines"]) == UNAVAILABLE
     names = {line["name"] for line in found["lines"] if line["area"] == "device"}
     assert set(FEATURES) <= names
     assert any(name.startswith("torch tensors") for name in names)
     for dtype in fieldtest.CHECKED_DTYPES:
         assert {f"all_reduce {dtype}", f"sendrecv {dtype}", f"all_to_all {dtype}"} <= names
-    assert found["summary"] == {"pass": len(found["lines"]), "fail": 0, "not run": 0}
+    assert found["summary"] == {"pass": len(found["lines"]) - len(UNAVAILABLE), "fail": 0,
+                                "not run": len(UNAVAILABLE)}
     bench = found["benchmark"]
     assert {row["impl"] for row in bench} == {"cupycomm (stand-in)", "nccl (stand-in)"}
     assert all(row["wrong"] == 0 and row["bytes"] == 1024 for row in bench)
@@ -106,6 +115,15 @@ def test_a_wrong_result_on_one_rank_fails_the_line_naming_that_rank(monkeypatch,
     assert found["exit_status"] == fieldtest.EXIT_FAILED
 
 
+@pytest.mark.skipif(TORCH is None, reason=TORCH_SKIP_REASON)
+def test_the_torch_line_runs_cpu_tensors_through_mpi_where_torch_is(standin_comm):
+    found = quick_report(standin_comm)
+    line = next(line for line in found["lines"] if line["name"].startswith("torch tensors"))
+    assert line["name"] == "torch tensors (CPU, through MPI: torch has no CUDA here)"
+    assert line["verdict"] == "pass" and found["exit_status"] == fieldtest.EXIT_PASSED
+    assert found["versions"]["torch"].startswith(TORCH.module.__version__)
+
+
 def test_a_feature_that_cannot_run_says_why_and_is_no_failure(monkeypatch, standin_comm):
     monkeypatch.setitem(sys.modules, "torch", None)   # import torch raises ImportError
     found = quick_report(standin_comm)
@@ -139,7 +157,7 @@ def test_ranks_sharing_a_gpu_without_nccls_leave_fail_and_the_report_says_why(
     size = standin_comm.size
     device = [line for line in found["lines"] if line["area"] == "device"]
     if size == 1:
-        assert found["notes"] == [] and all(line["verdict"] == "pass" for line in device)
+        assert found["notes"] == [] and _not_passed(device) == UNAVAILABLE
         return
     assert found["notes"] == [
         f"ranks {list(range(size))} share GPU {found['topology']['per_rank'][0]['gpu']}: NCCL "
@@ -182,7 +200,7 @@ def test_the_self_check_names_the_mpi_library_and_the_launcher(capsys):
 @pytest.mark.mpi(max_size=1)   # starts jobs of its own
 def test_with_the_real_cupy_and_no_gpu_the_command_says_so_and_exits_3(tmp_path):
     """CUDA_VISIBLE_DEVICES hides any GPU, so this holds on a GPU machine too."""
-    cupy = pytest.importorskip("cupy")
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: no real CuPy to load")
     path = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "cupycomm", "--report", str(path)],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path,
@@ -204,5 +222,5 @@ def test_the_command_under_mpiexec_on_the_standin_passes_every_line(tmp_path):
     assert job.returncode == 0, job.output
     found = json.loads(path.read_text())
     assert found["topology"]["ranks"] == 2 and found["exit_status"] == 0
-    assert found["summary"]["fail"] == 0 and found["summary"]["not run"] == 0
-    assert "0 failed, 0 not run" in job.stdout
+    assert found["summary"]["fail"] == 0 and found["summary"]["not run"] == len(UNAVAILABLE)
+    assert f"0 failed, {len(UNAVAILABLE)} not run" in job.stdout

@@ -127,12 +127,13 @@ def test_with_isolated_mode_off_tests_for_other_sizes_skip_as_under_mpiexec(pyte
     result.stdout.fnmatch_lines(["*test_*.py:3: runs on 2 or 3 MPI ranks, has 1 (mpiexec -n 2*"])
 
 
-def test_under_mpiexec_the_sizes_of_the_marker_skip_the_others():
-    job = run_mpiexec(2, "-m", "pytest", "-p", "no:cacheprovider", "case_isolated.py", "-rs",
+@pytest.mark.parametrize("n", [1, 2])   # one rank of a launcher's is no plain pytest
+def test_under_mpiexec_the_sizes_of_the_marker_skip_the_others(n):
+    job = run_mpiexec(n, "-m", "pytest", "-p", "no:cacheprovider", "case_isolated.py", "-rs",
                       timeout=TIMEOUT, cwd=str(CASES), mpiexec_args=no_auto_cleanup())
     assert job.returncode == 0, job.output
     assert "4 skipped" in job.stdout, job.stdout
-    assert "runs on 3 MPI ranks, has 2" in job.stdout
+    assert f"runs on 3 MPI ranks, has {n}" in job.stdout
     assert "[mpi3]" not in job.stdout      # no ids by size under mpiexec: as before the mode
 
 

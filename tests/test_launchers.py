@@ -186,6 +186,17 @@ def test_the_real_launcher_gives_nothing_that_a_nested_job_keeps(tmp_path):
         assert left["OMPI_MCA_cupycomm_user_setting"] == "kept"
 
 
+@pytest.mark.parametrize("given", [{"PMI_RANK": "0", "PMI_SIZE": "1"}, {"PMIX_RANK": "0"},
+                                   {"OMPI_COMM_WORLD_RANK": "0"}, {"SLURM_STEP_NUM_TASKS": "1"}],
+                         ids=["hydra", "pmix", "openmpi", "srun"])
+def test_a_rank_of_any_launcher_is_told_from_a_process_started_on_its_own(given):
+    # what a shell inside an allocation, or the user's configuration, has is no launcher's
+    own = {"PATH": "/usr/bin", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "OMPI_MCA_btl": "self",
+           "HYDRA_LAUNCHER": "fork"}
+    assert not launchers.started_by_a_launcher(own)
+    assert launchers.started_by_a_launcher({**own, **given})
+
+
 def test_library_kind_names_each_mpi():
     assert library_kind("MPICH Version:\t4.3.2\nMPICH Release date: ...") == "mpich"
     assert library_kind("Open MPI v5.0.11, package: Open MPI ...") == "openmpi"
@@ -198,16 +209,12 @@ def test_library_kind_names_each_mpi():
 def test_the_command_line_prints_the_argv_shell_quoted(tmp_path, kind):
     exe = fake(tmp_path, "mpi exec", VERSIONS[kind])
     run = [sys.executable, "-m", "cupycomm.run.launchers", "--mpiexec", exe]
-    # a fresh interpreter imports cupycomm, and so starts MPI: as a job of its own, not as a
-    # rank of the job this test may run in
     said = subprocess.run(run + ["-n", "64", "--leave-cleanup-to-cupycomm"],
-                          env=launch_environment(), capture_output=True, text=True,
-                          check=True).stdout
+                          capture_output=True, text=True, check=True).stdout
     expected = {"hydra": f"'{exe}' -disable-auto-cleanup -n 64\n",
                 "openmpi": f"'{exe}' -n 64 --oversubscribe\n"}[kind]
     assert said == expected
-    said = subprocess.run(run, env=launch_environment(), capture_output=True, text=True,
-                          check=True).stdout
+    said = subprocess.run(run, capture_output=True, text=True, check=True).stdout
     assert said == f"{kind} {exe}: {VERSIONS[kind].splitlines()[0].strip()}\n"
 
 

@@ -19,6 +19,7 @@ Anything else is ``other``: it gets a plain ``-n N``. :func:`find` names the lau
 environment we run in; :meth:`Launcher.command` gives the argv of a job up to the program, and
 :meth:`Launcher.environment` the environment of a job started from inside a rank. ``python -m
 cupycomm.run.launchers -n 3`` prints that argv, shell-quoted (``tests/run.sh`` uses it).
+:func:`started_by_a_launcher` tells a launcher's rank from a process started on its own.
 :func:`library_kind` names the MPI library from ``MPI.Get_library_version()``.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ import subprocess
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["Launcher", "find", "nested_environment", "library_kind", "KINDS"]
+__all__ = ["Launcher", "find", "nested_environment", "started_by_a_launcher", "library_kind",
+           "KINDS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +192,24 @@ class Launcher:
 def nested_environment(environ: Mapping[str, str]) -> Dict[str, str]:
     """:meth:`Launcher.environment`, for when no launcher is at hand yet."""
     return {k: v for k, v in environ.items() if not _given_by_a_launcher(k)}
+
+
+# What each launcher sets in every rank it starts, whatever the world size: PMI_RANK (hydra,
+# Intel's, srun's pmi and pmi2), PMIX_RANK (PRRTE, srun's pmix), OMPI_COMM_WORLD_RANK (Open
+# MPI's mpirun), SLURM_STEP_NUM_TASKS (srun, any --mpi; a batch script has SLURM_PROCID too).
+_RANK_OF_A_JOB = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_STEP_NUM_TASKS")
+
+
+def started_by_a_launcher(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` is that of a rank a launcher started (``mpiexec -n 1`` and ``srun
+    -n 1`` included), rather than of a process started on its own (an MPI singleton).
+
+    Example::
+
+        if not started_by_a_launcher(os.environ):
+            print("not under mpiexec: this process is a world of one")
+    """
+    return any(name in environ for name in _RANK_OF_A_JOB)
 
 
 def find(executable: Optional[str] = None) -> Launcher:

@@ -5,7 +5,8 @@ With more than one rank, the ranks act as one session (see ``_session``): rank 0
 one report, a test fails if it fails on any rank, skips and collection agree, a hanging test
 ends the job at its timeout with every rank's stack, and every rank exits with the job's
 status. In one process the plugin adds a header line, the markers and the fixtures (the
-timeout is not enforced there: no peer can leave a test waiting), and runs the tests meant for
+timeout is not enforced there: no peer can leave a test waiting); in one process that no
+launcher started (a plain ``pytest``, not ``mpiexec -n 1``), it also runs the tests meant for
 more ranks in ``mpiexec`` jobs of their own (isolated mode, see ``_isolated``).
 
 Markers: ``mpi(n=N or [N, ...])`` or ``mpi(min_size=N, max_size=M)``, ``mpi_timeout(seconds)``,
@@ -31,6 +32,7 @@ from mpi4py import MPI
 
 import cupycomm
 from cupycomm import _bootstrap
+from cupycomm.run import launchers
 from cupycomm.backends.nccl import library_version
 from cupycomm.faults import abort
 
@@ -109,13 +111,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _isolated_sizes(config: pytest.Config) -> Optional[List[int]]:
-    """The ini value mpi_sizes where tests get an id per world size: in one process with
-    isolated mode on, and in its jobs (whose tests must have the same ids); else None."""
+    """The ini value mpi_sizes where tests get an id per world size: in one process that no
+    launcher started, with isolated mode on, and in its jobs (whose tests must have the same
+    ids); else None."""
     if config.stash[_JOB] is None:
         value = config.getoption("mpi_isolated") or config.getini("mpi_isolated")
         if value not in ("yes", "no"):
             raise pytest.UsageError(f"mpi_isolated must be yes or no, got {value!r}")
-        if value == "no" or _bootstrap.world().Get_size() > 1:
+        # A launcher's ranks run the tests they were given, at any size (mpiexec -n 1 too).
+        if value == "no" or launchers.started_by_a_launcher(os.environ):
             return None
     sizes = config.getini("mpi_sizes")
     try:

@@ -308,7 +308,8 @@ def _check_range(ptr: int, nbytes: int, what: str) -> None:
 
 def _view(ptr: int, count: int, datatype: int, what: str) -> np.ndarray:
     dtype = _NCCL_DTYPES[datatype]
-    nbytes = count * dtype.itemsize
+    # a C size_t, as Cython hands it over: NumPy before 2 makes np.uint64 * int a float64
+    nbytes = operator.index(count) * dtype.itemsize
     _check_range(ptr, nbytes, what)
     if nbytes == 0:
         return np.empty(0, dtype)
