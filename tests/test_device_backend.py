@@ -78,7 +78,9 @@ def test_stream_argument_launches_there_without_events_from_other_streams(dcomm)
     x = sd.asarray(np.ones(2))
     before = len(dcomm._nccl.stream.log)
     assert dcomm.all_reduce(x, stream=mine) is x
-    assert mine.log == ["nccl allReduce", f"record {dcomm._nccl._finished.name}"]
+    held_event, held = dcomm._nccl._held[-1]   # the arrays kept until the stream reads them
+    assert mine.log == ["nccl allReduce", f"record {dcomm._nccl._finished.name}",
+                        f"record {held_event.name}"] and held == (x, x)
     assert len(dcomm._nccl.stream.log) == before
     work = dcomm.broadcast(x, 0, stream=mine, async_op=True)
     assert mine.log[-2:] == ["nccl bcast", mine.log[-1]] and mine.log[-1].startswith("record")

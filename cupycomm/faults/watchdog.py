@@ -174,8 +174,8 @@ class Tracker:
         elif self.device is not None and self.device.has_pending_work():
             waited = self._waited(("device", seq), now)
             if waited > self.timeout:
-                self._abort_device(f"device collectives up to #{seq} on communicator "
-                                   f"{self.name} have not finished after {waited:.0f} s "
+                self._abort_device(f"{self.device.pending(seq)} not finished after "
+                                   f"{waited:.0f} s on communicator {self.name} "
                                    f"(timeout {self.timeout:g} s)")
             elif self.board is not None:
                 # A peer that left cleanly closed its communicator, which waits for its
