@@ -36,9 +36,20 @@ device captures).
 
 The watchdog thread queries in relaxed capture mode (so that a capture in global mode, torch's
 default, in another thread is not invalidated by it: pytorch#104555) and with the
-communicator's device current (a new thread's current device is 0, where a query would
-create a CUDA context). It and ``close()`` never use the NCCL communicator at once:
-``ncclCommGetAsyncError`` takes no lock while ``ncclCommDestroy`` frees what it reads.
+communicator's device current, set once and never set back (a new thread's current device
+is 0, and ``cudaSetDevice(0)``, which CuPy's ``Device.__exit__`` always calls, would create
+a context on GPU 0 for every rank). One lock, ``_lifetime``, keeps every use of the NCCL
+communicator apart (launches, the watchdog's ``ncclCommGetAsyncError``, abort, close): NCCL's
+communicator is not thread-safe, and ``ncclCommAbort``/``ncclCommDestroy`` free what the
+others use. One thread at a time uses a communicator: a call from another thread while the
+last one's work is in flight is refused (see :meth:`NcclBackend._take_over`).
+
+A synchronous call on ``stream=`` keeps its arrays alive until that stream has passed it
+(an event on it, in ``_held``): memory the caller allocated on its own stream returns to
+that stream's pool when dropped. Graph replays through :meth:`NcclBackend.launch_graph` re-record
+``_finished`` after the graph (NCCL serializes a communicator's graph launches with its
+other calls), so the watchdog watches them; ``close()`` keeps (never destroys) an NCCL
+communicator whose calls were captured, so a replay after it uses no freed memory.
 
 Data movement is described to NCCL as bytes; reductions use the NCCL datatype and count
 factor of the dtype table (a complex element is two reals).
