@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import cupycomm
 from cupycomm.testing import standin as sd
-from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal
+from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal, in_new_thread
 
 
 
@@ -442,21 +442,6 @@ def test_an_abort_waits_for_a_launch_in_progress(dcomm, monkeypatch):
         dcomm.all_reduce(x)
 
 
-def in_thread(call):
-    """What ``call()`` returns or raises in a new thread."""
-    outcome = []
-
-    def run():
-        try:
-            outcome.append(call())
-        except Exception as error:
-            outcome.append(error)
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    return outcome[0]
-
-
 def test_a_second_thread_is_refused_while_the_first_ones_work_is_in_flight(dcomm):
     """Fault 4 of issue 23: two threads issuing collectives on one communicator in different
     orders on the ranks would reduce each other's buffers (NCCL forbids it, stand-in rule
@@ -468,18 +453,18 @@ def test_a_second_thread_is_refused_while_the_first_ones_work_is_in_flight(dcomm
     with held:
         dcomm.all_reduce(x)                        # in flight
     seq = backend._tracker.seq
-    refused = in_thread(lambda: dcomm.all_reduce(y))
+    refused = in_new_thread(lambda: dcomm.all_reduce(y))
     assert isinstance(refused, RuntimeError), refused
     assert "all_reduce" in str(refused) and "another thread" in str(refused)
     assert "one communicator per thread" in str(refused) and backend._tracker.seq == seq
     with dcomm.batch():
         dcomm.all_reduce(y)
-        refused = in_thread(lambda: dcomm.all_reduce(x))
+        refused = in_new_thread(lambda: dcomm.all_reduce(x))
     assert isinstance(refused, RuntimeError) and "batch() block" in str(refused), refused
     held.synchronize()
     sd.Device().synchronize()
     assert_equal(STANDIN, x, np.full(2, n))
-    assert_equal(STANDIN, in_thread(lambda: dcomm.all_reduce(y)), np.full(3, n * n))   # handed over
+    assert_equal(STANDIN, in_new_thread(lambda: dcomm.all_reduce(y)), np.full(3, n * n))   # handed over
     assert_equal(STANDIN, dcomm.all_reduce(y), np.full(3, n ** 3))                     # and back
 
 

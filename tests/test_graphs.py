@@ -161,18 +161,23 @@ def test_gpu_graph_replays_the_collective():
         np.testing.assert_array_equal(cupy.asnumpy(out), np.full(1024, 3.0 * comm.size))
 
 
+def captured_all_reduce(comm, x):
+    """(a graph of ``comm.all_reduce(x)``, the stream that captured it)."""
+    comm.init_device()   # (outside the capture: NCCL's communicator is not made in one)
+    stream = sd.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        comm.all_reduce(x)
+        return stream.end_capture(), stream
+
+
 def test_a_graph_replayed_after_close_still_has_its_nccl_communicator():
     """Fault 3 of issue 23: ncclCommDestroy at close() would leave the graph's kernels using
     freed memory (stand-in rule 19): a communicator whose collectives were captured keeps
     its NCCL communicator, and launch_graph after close is refused."""
     comm = STANDIN.comm()
-    comm.init_device()
     x = sd.asarray(np.ones(3))
-    stream = sd.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        comm.all_reduce(x)
-        graph = stream.end_capture()
+    graph, stream = captured_all_reduce(comm, x)
     comm.close()
     graph.launch(stream)
     stream.synchronize()
@@ -187,11 +192,7 @@ def test_a_replay_that_never_completes_is_aborted_and_named():
     with STANDIN.comm(timeout=0.2) as comm:
         backend = comm.init_device()
         x = sd.asarray(np.ones(3))
-        stream = sd.Stream(non_blocking=True)
-        with stream:
-            stream.begin_capture()
-            comm.all_reduce(x)
-            graph = stream.end_capture()
+        graph, stream = captured_all_reduce(comm, x)
         comm.launch_graph(graph, stream)               # watched, and completes
         stream.synchronize()
         assert not backend.has_pending_work()

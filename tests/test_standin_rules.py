@@ -12,6 +12,7 @@ from mpi4py import MPI
 from cupycomm.testing import standin as sd
 from cupycomm.backends.nccl import NcclBackend, nccl_module
 from cupycomm.faults import watchdog
+from arrays import in_new_thread
 
 
 def Tracker():
@@ -43,22 +44,6 @@ def capturing(mode=None):
     stream = sd.Stream(non_blocking=True)
     stream.begin_capture(mode)
     return stream
-
-
-def in_new_thread(call):
-    """What ``call()`` returns or raises in a new thread (whose capture mode is CUDA's default,
-    global)."""
-    outcome = []
-
-    def run():
-        try:
-            outcome.append(call())
-        except Exception as error:
-            outcome.append(error)
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    return outcome[0]
 
 
 def test_an_event_recorded_in_a_capture_is_never_done():

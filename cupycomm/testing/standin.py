@@ -584,17 +584,18 @@ class _NullStream:
     __enter__, __exit__, use = Stream.__enter__, Stream.__exit__, Stream.use
 
     def __eq__(self, other: Any) -> bool:
-        return getattr(other, "ptr", None) == 0
+        return getattr(other, "ptr", None) == self.ptr
 
     def __hash__(self) -> int:
-        return 0
+        return self.ptr
 
     def __repr__(self) -> str:
-        return "<stand-in Stream.null>"
+        return f"<stand-in Stream.{'null' if self.ptr == 0 else 'ptds'}>"
 
 
 def _resolved(stream: Any) -> Stream:
-    """The stream a handle means now: handle 0 is the current device's null stream."""
+    """The stream a handle means now: handle 0 is the current device's null stream, handle 2
+    the calling thread's per-thread default stream."""
     return stream.queue() if isinstance(stream, _NullStream) else stream
 
 
@@ -613,15 +614,6 @@ class _PerThreadStream(_NullStream):
             queues[device] = Stream(null=True, handle=2)
             self.all.add(queues[device])
         return queues[device]
-
-    def __eq__(self, other: Any) -> bool:
-        return getattr(other, "ptr", None) == 2
-
-    def __hash__(self) -> int:
-        return 2
-
-    def __repr__(self) -> str:
-        return "<stand-in Stream.ptds>"
 
 
 Stream.null = _NullStream()  # type: ignore[assignment]
