@@ -120,6 +120,12 @@ class Checks:
             raise self.fail(TypeError, name, f"stream must be a CUDA stream "
                                              f"(cupy.cuda.Stream or ExternalStream), got "
                                              f"{kind_name(stream)}")
+        device = getattr(stream, "device_id", -1)   # (-1: the current device's, as handle 0)
+        if device not in (-1, b.device_id):
+            raise self.fail(ValueError, name, f"stream= is a stream of device {device}, but "
+                                              f"the communicator uses device {b.device_id}; "
+                                              f"pass a stream made on device {b.device_id} "
+                                              f"(with comm.device: cupy.cuda.Stream())")
 
     def check_open(self, name: str) -> None:
         if self.closed:

@@ -196,6 +196,22 @@ class Communicator:
         self._checks.check_open("init_device")
         return self._router.init_device()
 
+    def launch_graph(self, graph: Any, stream: Any = None) -> None:
+        """Replay a CUDA graph that captured this communicator's collectives, watched as an
+        uncaptured collective is: a replay that does not complete within the timeout (a
+        peer that never launches its graph) aborts the NCCL communicator, naming it. A plain
+        ``graph.launch()`` is not watched. ``stream``: where to launch (default: the current
+        stream)::
+
+            with stream:
+                stream.begin_capture()
+                comm.all_reduce(x)
+                graph = stream.end_capture()
+            comm.launch_graph(graph, stream)
+        """
+        self._checks.check_open("launch_graph")
+        self.init_device().launch_graph(graph, stream)
+
     # -- collectives ------------------------------------------------------------------------------
     def all_reduce(self, x: Any, *, op: Op = _SUM, out: Any = None, async_op: bool = False,
                    stream: Any = None) -> Any:

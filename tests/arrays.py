@@ -11,6 +11,7 @@ every rank can compute the expected result of every other rank's input.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -177,3 +178,19 @@ def assert_equal(lib: ArrayLibrary, actual: Any, expected: np.ndarray, op: str =
         np.testing.assert_allclose(got, expected, rtol=2e-3 if got.dtype == np.float16 else 1e-6)
     else:
         np.testing.assert_array_equal(got, expected)
+
+
+def in_new_thread(call: Callable[[], Any]) -> Any:
+    """What ``call()`` returns or raises in a new thread (whose current device is 0 and
+    capture mode CUDA's default, global)."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except Exception as error:
+            outcome.append(error)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return outcome[0]

@@ -141,7 +141,11 @@ def float32_sum(*extra):
     shape("cupy.asarray", ["cuda_array_interface"]),
     shape("cupy.cuda.nccl.NcclCommunicator", ["int"], ["from", "cupy.cuda.nccl.get_unique_id"],
           ["int"]),
-], ids=["allReduce", "numpy-count", "wait_event", "foreign-array", "unique-id"])
+    shape("cupy.cuda.runtime.getDevice"),
+    shape("cupy.cuda.runtime.setDevice", ["int"]),
+    shape("cupy.cuda.Graph.launch", ["object", "cupy.cuda.Stream"]),
+], ids=["allReduce", "numpy-count", "wait_event", "foreign-array", "unique-id", "getDevice",
+        "setDevice", "graph-launch"])
 def test_a_right_call_conforms(right):
     assert replay.replay(right) is None
 

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import cupycomm
 from cupycomm.testing import standin as sd
-from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal
+from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal, in_new_thread
 
 
 
@@ -78,7 +78,9 @@ def test_stream_argument_launches_there_without_events_from_other_streams(dcomm)
     x = sd.asarray(np.ones(2))
     before = len(dcomm.parts.router.device.stream.log)
     assert dcomm.all_reduce(x, stream=mine) is x
-    assert mine.log == ["nccl allReduce", f"record {dcomm.parts.router.device._finished.name}"]
+    held_event, held = dcomm.parts.router.device._held[-1]   # the arrays kept until the stream reads them
+    assert mine.log == ["nccl allReduce", f"record {dcomm.parts.router.device._finished.name}",
+                        f"record {held_event.name}"] and held == (x, x)
     assert len(dcomm.parts.router.device.stream.log) == before
     work = dcomm.broadcast(x, 0, stream=mine, async_op=True)
     assert mine.log[-2:] == ["nccl bcast", mine.log[-1]] and mine.log[-1].startswith("record")
@@ -172,19 +174,23 @@ def test_every_entry_point_uses_the_communicators_device_while_another_is_curren
         assert out.device.id == 1 and bucket.flats[0].device.id == 1
 
 
-def test_the_watchdog_queries_on_the_communicators_device(monkeypatch):
-    """A new thread's current device is 0: the watchdog's queries must make the
-    communicator's device current, or CUDA makes a context on GPU 0 for every rank."""
+def test_a_rank_on_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
+    """Fault 1 of issue 23: a new thread's current device is 0, CuPy's Device.__exit__ always
+    sets the previous device back and cudaSetDevice makes a context (stand-in rule 14): the
+    watchdog's look must leave this process with a context on GPU 1 alone (about 0.5 GiB of
+    GPU 0 per rank otherwise)."""
     monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(sd.Device._local, "id", sd.Device.current_id(), raising=False)
     with STANDIN.comm(device=1) as comm:
-        backend = comm.init_device()
-        comm.all_reduce(_on(1, np.ones(2)))
+        x = comm.xp.asarray(np.ones(2))   # comm.xp makes the rank's device current
         sd.contexts.clear()
-        thread = threading.Thread(target=lambda: (backend.has_pending_work(),
-                                                  backend.async_error()))
-        thread.start()
-        thread.join()
-        assert (thread.ident, 0) not in sd.contexts and (thread.ident, 1) in sd.contexts
+        backend = comm.init_device()
+        assert_equal(STANDIN, comm.all_reduce(x), np.full(2, float(comm.size)))
+        for _ in range(2):   # the watchdog's looks, in a thread of their own
+            look = threading.Thread(target=backend._tracker.check, args=(time.monotonic(),))
+            look.start()
+            look.join()
+        assert sd.context_devices() == {1}
 
 
 def _on(device, data):
@@ -396,3 +402,102 @@ def test_async_works_take_their_events_from_those_of_completed_works(dcomm, monk
     dcomm.parts.router.device.stream.synchronize()
     assert len(made) == 2   # the first Work's, and the block's
     assert_equal(STANDIN, x, np.full(2, float(dcomm.size) ** 5))
+
+
+def test_an_abort_waits_for_a_launch_in_progress(dcomm, monkeypatch):
+    """Fault 2 of issue 23: the watchdog's ncclCommAbort never runs while the caller's thread
+    is inside an NCCL launch of the communicator (stand-in rule 11)."""
+    backend = dcomm.init_device()
+    inside, release = threading.Event(), threading.Event()
+    real = backend._comm._enqueue
+
+    def slow(*args):
+        inside.set()
+        release.wait(10)
+        real(*args)
+    monkeypatch.setattr(backend._comm, "_enqueue", slow)
+    failures = []
+
+    def abort():
+        try:
+            backend.abort("a test")
+        except Exception as error:   # the stand-in's rule, had the abort not waited
+            failures.append(error)
+    aborter = threading.Thread(target=abort)
+
+    def watchdog_like():
+        inside.wait(10)
+        aborter.start()
+        aborter.join(0.5)            # long enough for an unserialised abort to run
+        release.set()
+    watcher = threading.Thread(target=watchdog_like)
+    watcher.start()
+    x = sd.asarray(np.ones(2))
+    dcomm.all_reduce(x)
+    watcher.join()
+    aborter.join()
+    assert failures == [] and backend._aborted == "a test"
+    assert_equal(STANDIN, x, np.full(2, float(dcomm.size)))
+    with pytest.raises(cupycomm.NcclError, match="was aborted"):
+        dcomm.all_reduce(x)
+
+
+def test_a_second_thread_is_refused_while_the_first_ones_work_is_in_flight(dcomm):
+    """Fault 4 of issue 23: two threads issuing collectives on one communicator in different
+    orders on the ranks would reduce each other's buffers (NCCL forbids it, stand-in rule
+    15): refused before anything runs, naming the call and the fix."""
+    backend = dcomm.init_device()
+    n = float(dcomm.size)
+    x, y = sd.asarray(np.ones(2)), sd.asarray(np.ones(3))
+    held = sd.Stream(non_blocking=True, deferred=True)
+    with held:
+        dcomm.all_reduce(x)                        # in flight
+    seq = backend._tracker.seq
+    refused = in_new_thread(lambda: dcomm.all_reduce(y))
+    assert isinstance(refused, RuntimeError), refused
+    assert "all_reduce" in str(refused) and "another thread" in str(refused)
+    assert "one communicator per thread" in str(refused) and backend._tracker.seq == seq
+    with dcomm.batch():
+        dcomm.all_reduce(y)
+        refused = in_new_thread(lambda: dcomm.all_reduce(x))
+    assert isinstance(refused, RuntimeError) and "batch() block" in str(refused), refused
+    held.synchronize()
+    sd.Device().synchronize()
+    assert_equal(STANDIN, x, np.full(2, n))
+    assert_equal(STANDIN, in_new_thread(lambda: dcomm.all_reduce(y)), np.full(3, n * n))   # handed over
+    assert_equal(STANDIN, dcomm.all_reduce(y), np.full(3, n ** 3))                     # and back
+
+
+def test_a_stream_of_another_device_is_refused_before_anything_runs(monkeypatch):
+    """Fault 5 of issue 23: refused naming the call, the argument and both devices, on every
+    rank alike, the communicator usable after it."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(sd.Device._local, "id", sd.Device.current_id(), raising=False)
+    with STANDIN.comm(device=1) as comm:
+        x = comm.xp.asarray(np.ones(2))
+        backend = comm.init_device()
+        with sd.Device(0):
+            other = sd.Stream(non_blocking=True)
+        seq = backend._tracker.seq
+        for async_op in (False, True):
+            with pytest.raises(ValueError, match=r"all_reduce: stream= is a stream of device 0, "
+                                                 r"but the communicator uses device 1"):
+                comm.all_reduce(x, stream=other, async_op=async_op)
+        assert backend._tracker.seq == seq
+        assert_equal(STANDIN, comm.all_reduce(x), np.full(2, float(comm.size)))
+
+
+def test_a_synchronous_collective_on_a_side_stream_keeps_its_input_alive(dcomm):
+    """Fault 6 of issue 23: the input was allocated on the caller's stream A, the collective
+    runs on B; the caller drops the input, and A's pool would hand its memory to the next
+    allocation on A before B's kernel has read it (stand-in rule 7)."""
+    a = sd.Stream(non_blocking=True)
+    b = sd.Stream(non_blocking=True, deferred=True)
+    n, r = dcomm.size, dcomm.rank
+    with a:
+        out = dcomm.all_gather(sd.asarray(np.full(3, r + 1.0)), stream=b)
+        gc.collect()
+        reuse = sd.asarray(np.full(3, 1000.0))   # on A: the dropped input's block if free
+    b.synchronize()
+    assert_equal(STANDIN, out, np.repeat(np.arange(1.0, n + 1), 3).reshape(n, 3))
+    assert_equal(STANDIN, reuse, np.full(3, 1000.0))

@@ -3,10 +3,12 @@
 forks from and joins back into the capture by events), with no host synchronisation and no
 allocation, so replaying the graph replays the collective."""
 import threading
+import time
 
 import numpy as np
 import pytest
 
+import cupycomm
 from cupycomm.testing import standin as sd
 from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal
 
@@ -157,3 +159,53 @@ def test_gpu_graph_replays_the_collective():
                 graph.launch(stream)
             stream.synchronize()
         np.testing.assert_array_equal(cupy.asnumpy(out), np.full(1024, 3.0 * comm.size))
+
+
+def captured_all_reduce(comm, x):
+    """(a graph of ``comm.all_reduce(x)``, the stream that captured it)."""
+    comm.init_device()   # (outside the capture: NCCL's communicator is not made in one)
+    stream = sd.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        comm.all_reduce(x)
+        return stream.end_capture(), stream
+
+
+def test_a_graph_replayed_after_close_still_has_its_nccl_communicator():
+    """Fault 3 of issue 23: ncclCommDestroy at close() would leave the graph's kernels using
+    freed memory (stand-in rule 19): a communicator whose collectives were captured keeps
+    its NCCL communicator, and launch_graph after close is refused."""
+    comm = STANDIN.comm()
+    x = sd.asarray(np.ones(3))
+    graph, stream = captured_all_reduce(comm, x)
+    comm.close()
+    graph.launch(stream)
+    stream.synchronize()
+    assert_equal(STANDIN, x, np.full(3, float(comm.size)))
+    with pytest.raises(cupycomm.CommClosedError, match="launch_graph"):
+        comm.launch_graph(graph, stream)
+
+
+def test_a_replay_that_never_completes_is_aborted_and_named():
+    """Fault 7 of issue 23: a replay launched by comm.launch_graph is watched as an
+    uncaptured collective is: past the timeout the NCCL communicator is aborted, naming it."""
+    with STANDIN.comm(timeout=0.2) as comm:
+        backend = comm.init_device()
+        x = sd.asarray(np.ones(3))
+        graph, stream = captured_all_reduce(comm, x)
+        comm.launch_graph(graph, stream)               # watched, and completes
+        stream.synchronize()
+        assert not backend.has_pending_work()
+        assert_equal(STANDIN, x, np.full(3, float(comm.size)))
+        stuck = sd.Stream(non_blocking=True, deferred=True)   # a peer that never joins
+        comm.launch_graph(graph, stuck)
+        assert backend.has_pending_work()
+        deadline = time.monotonic() + 10
+        while not backend._aborted and time.monotonic() < deadline:
+            backend._tracker.check(time.monotonic())   # (the watchdog thread's look)
+            time.sleep(0.05)
+        assert "CUDA graph replay #2 (launch_graph)" in backend._aborted
+        stuck.pending.clear()                          # it never ran on any rank
+        with pytest.raises(cupycomm.NcclError, match="launch_graph: the NCCL communicator was "
+                                                     "aborted"):
+            comm.launch_graph(graph, stuck)

@@ -57,7 +57,8 @@ def test_nccl_constants_match():
 
 def test_cuda_names_the_backend_uses_exist_in_cupy():
     for owner, names in [(cupy.cuda, ["Device", "Stream", "Event", "get_current_stream"]),
-                         (cupy.cuda.Stream, ["wait_event", "synchronize", "done"]),
+                         (cupy.cuda.Stream, ["wait_event", "synchronize", "done", "null",
+                                             "ptds"]),
                          (cupy.cuda.Event, ["record", "synchronize", "done"]),
                          (nccl, ["get_unique_id", "NcclCommunicator", "groupStart", "groupEnd",
                                  "NcclError", "get_version"])]:
@@ -75,7 +76,7 @@ def test_real_unique_id_is_128_bytes_like_the_stand_ins():
 # -- one process, several devices (cupycomm.devices and cupycomm.prefetch) ------------------------
 LOCAL_METHODS = ["broadcast", "reduce", "rank_id", "size", "device_id", "destroy"]
 RUNTIME_FUNCTIONS = ["memcpyAsync", "memcpy2DAsync", "deviceCanAccessPeer",
-                     "_deviceEnsurePeerAccess"]
+                     "_deviceEnsurePeerAccess", "getDevice", "setDevice"]
 
 
 @pytest.mark.parametrize("method", LOCAL_METHODS)

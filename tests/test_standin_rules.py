@@ -12,6 +12,7 @@ from mpi4py import MPI
 from cupycomm.testing import standin as sd
 from cupycomm.backends.nccl import NcclBackend, nccl_module
 from cupycomm.faults import watchdog
+from arrays import in_new_thread
 
 
 def Tracker():
@@ -43,22 +44,6 @@ def capturing(mode=None):
     stream = sd.Stream(non_blocking=True)
     stream.begin_capture(mode)
     return stream
-
-
-def in_new_thread(call):
-    """What ``call()`` returns or raises in a new thread (whose capture mode is CUDA's default,
-    global)."""
-    outcome = []
-
-    def run():
-        try:
-            outcome.append(call())
-        except Exception as error:
-            outcome.append(error)
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    return outcome[0]
 
 
 def test_an_event_recorded_in_a_capture_is_never_done():
@@ -270,6 +255,150 @@ def test_freed_memory_is_poisoned_in_its_streams_order_and_reused_by_that_stream
         with other:
             assert sd.empty(4).data.ptr != address       # not another stream's
         assert sd.empty(4).data.ptr == address           # this stream's, at once
+
+
+# -- CUDA contexts ----------------------------------------------------------------------------------------
+def test_set_device_makes_a_context_and_device_exit_always_sets_the_device_back(monkeypatch):
+    """cudaSetDevice creates its device's primary context (CUDA 12); CuPy's Device.__exit__
+    calls setDevice(previous) even where the thread never set one (a new thread's is 0)."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+
+    def mine():
+        me = threading.get_ident()
+        return {device for thread, device in list(sd.contexts) if thread == me}
+
+    def forget_mine():   # (a thread id is reused once its thread has ended)
+        for device in mine():
+            sd.contexts.discard((threading.get_ident(), device))
+
+    def entered_once():
+        forget_mine()
+        with sd.Device(1):
+            pass
+        return mine(), sd.runtime.getDevice()
+
+    def set_once():
+        forget_mine()
+        sd.runtime.setDevice(1)
+        sd.Event().record(sd.Stream.null)
+        return mine(), sd.runtime.getDevice()
+    assert in_new_thread(entered_once) == ({0, 1}, 0)     # a context on GPU 0 as well
+    assert in_new_thread(set_once) == ({1}, 1)
+    assert in_new_thread(lambda: (forget_mine(), sd.runtime.getDevice(), mine())) == (
+        None, 0, set())
+    assert 1 in sd.context_devices()
+
+
+# -- one communicator, one thread at a time ---------------------------------------------------------------
+def test_one_communicator_is_not_used_from_two_threads_at_once():
+    """NCCL forbids concurrent use of one communicator; its group state is per thread."""
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    x = sd.asarray(np.ones(2))
+    held = sd.Stream(non_blocking=True, deferred=True)
+
+    def all_reduce(stream):
+        return lambda: comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, stream.ptr)
+    all_reduce(held)()                                    # in flight
+    refused = in_new_thread(all_reduce(sd.Stream.null))
+    assert isinstance(refused, sd.NcclError) and "second thread" in str(refused)
+    held.synchronize()
+    assert in_new_thread(all_reduce(sd.Stream.null)) is None   # handed over once completed
+    sd.groupStart()
+    all_reduce(held)()                                    # in this thread's open group
+    assert in_new_thread(sd._open_group) is None          # not another thread's
+    refused = in_new_thread(all_reduce(sd.Stream.null))
+    assert isinstance(refused, sd.NcclError) and "second thread" in str(refused)
+    sd.groupEnd()
+    held.synchronize()
+    comm.destroy()
+
+
+def test_abort_while_another_thread_is_inside_a_launch_is_refused(monkeypatch):
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    x = sd.asarray(np.ones(2))
+    inside, release = threading.Event(), threading.Event()
+    real = comm._enqueue
+
+    def slow(*args):
+        inside.set()
+        release.wait(10)
+        real(*args)
+    monkeypatch.setattr(comm, "_enqueue", slow)
+    launcher = threading.Thread(target=comm.allReduce, args=(x.data.ptr, x.data.ptr, 2, 8, 0, 0))
+    launcher.start()
+    inside.wait(10)
+    with pytest.raises(sd.NcclError, match="inside ncclAllReduce"):
+        comm.abort()
+    release.set()
+    launcher.join()
+    comm.abort()
+
+
+# -- graphs of NCCL calls ---------------------------------------------------------------------------------
+def captured_all_reduce(comm, x):
+    stream = sd.Stream(non_blocking=True)
+    stream.begin_capture()
+    comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, stream.ptr)
+    return stream.end_capture()
+
+
+def test_graph_launches_take_their_place_in_the_communicators_order():
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    x = sd.asarray(np.ones(2))
+    graph = captured_all_reduce(comm, x)
+    held = sd.Stream(non_blocking=True, deferred=True)
+    comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+    graph.launch(sd.Stream(non_blocking=True))
+    assert not held.pending, "a replay ran before the communicator's earlier call"
+    comm.destroy()
+
+
+@pytest.mark.parametrize("end", ["destroy", "abort"])
+def test_a_graph_of_a_freed_communicator_is_refused(end):
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    x = sd.asarray(np.ones(2))
+    graph = captured_all_reduce(comm, x)
+    getattr(comm, end)()
+    stream = sd.Stream(non_blocking=True)
+    with pytest.raises(sd.CUDARuntimeError, match="cudaErrorIllegalAddress"):
+        graph.launch(stream)
+    assert stream.enqueued == 0
+
+
+# -- the legacy null stream and the per-thread default stream ----------------------------------------------
+def test_the_legacy_null_stream_orders_blocking_streams_and_not_non_blocking_ones():
+    blocking = sd.Stream(deferred=True)
+    non_blocking = sd.Stream(non_blocking=True, deferred=True)
+    sd.launch(blocking, lambda: None, "on a blocking stream")
+    sd.launch(non_blocking, lambda: None, "on a non-blocking stream")
+    sd.launch(sd.Stream.null, lambda: None, "then on the null stream")
+    assert not blocking.pending, "the null stream's work ran before a blocking stream's"
+    assert non_blocking.pending
+    with sd.deferred(sd.Stream.null.queue()):
+        sd.launch(sd.Stream.null, lambda: None, "held on the null stream")
+        sd.launch(sd.Stream(), lambda: None, "then on a blocking stream")
+        assert not sd.Stream.null.pending, "a blocking stream's work ran before the null's"
+        sd.launch(sd.Stream.null, lambda: None, "held on the null stream")
+        sd.launch(sd.Stream(non_blocking=True), lambda: None, "then on a non-blocking one")
+        assert sd.Stream.null.pending
+    sd.Stream.null.synchronize()
+    non_blocking.synchronize()
+
+
+def test_handle_2_is_the_threads_own_blocking_stream_of_the_current_device(monkeypatch):
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    mine = sd.Stream.from_ptr(2)
+    assert sd.Stream.ptds.ptr == 2 and sd.Stream.ptds.queue() is mine
+    assert in_new_thread(lambda: sd.Stream.from_ptr(2)) is not mine
+    with sd.Device(1):
+        assert sd.Stream.from_ptr(2) is not mine
+    with sd.deferred(mine):
+        sd.launch(sd.Stream.ptds, lambda: None, "on this thread's stream")
+        sd.launch(sd.Stream.null, lambda: None, "then on the null stream")
+        assert not mine.pending, "the per-thread stream is not ordered with the null stream"
+    sd.Stream.ptds.begin_capture()                      # unlike handle 0, it can capture
+    assert sd.Stream.ptds.is_capturing()
+    sd.Stream.ptds.end_capture()
 
 
 # -- the host thread's last error -------------------------------------------------------------------

@@ -36,9 +36,20 @@ device captures).
 
 The watchdog thread queries in relaxed capture mode (so that a capture in global mode, torch's
 default, in another thread is not invalidated by it: pytorch#104555) and with the
-communicator's device current (a new thread's current device is 0, where a query would
-create a CUDA context). It and ``close()`` never use the NCCL communicator at once:
-``ncclCommGetAsyncError`` takes no lock while ``ncclCommDestroy`` frees what it reads.
+communicator's device current, set once and never set back (a new thread's current device
+is 0, and ``cudaSetDevice(0)``, which CuPy's ``Device.__exit__`` always calls, would create
+a context on GPU 0 for every rank). One lock, ``_lifetime``, keeps every use of the NCCL
+communicator apart (launches, the watchdog's ``ncclCommGetAsyncError``, abort, close): NCCL's
+communicator is not thread-safe, and ``ncclCommAbort``/``ncclCommDestroy`` free what the
+others use. One thread at a time uses a communicator: a call from another thread while the
+last one's work is in flight is refused (see :meth:`NcclBackend._take_over`).
+
+A synchronous call on ``stream=`` keeps its arrays alive until that stream has passed it
+(an event on it, in ``_held``): memory the caller allocated on its own stream returns to
+that stream's pool when dropped. Graph replays through :meth:`NcclBackend.launch_graph` re-record
+``_finished`` after the graph (NCCL serializes a communicator's graph launches with its
+other calls), so the watchdog watches them; ``close()`` keeps (never destroys) an NCCL
+communicator whose calls were captured, so a replay after it uses no freed memory.
 
 Data movement is described to NCCL as bytes; reductions use the NCCL datatype and count
 factor of the dtype table (a complex element is two reals).
@@ -142,6 +153,8 @@ _REDUCTIONS = _reduction_table()
 # stream captures is asked as ``stream.ptr not in _LEGACY and stream.is_capturing()``.
 _LEGACY = (0, 1)
 _MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype as it is
+_KEPT_FOR_GRAPHS: list = []   # NCCL communicators closed while graphs may replay their calls
+_thread = threading.get_ident
 
 
 class NcclBackend:
@@ -164,9 +177,7 @@ class NcclBackend:
         self.array_type = cupy.ndarray
         self.device_id = device_id
         self._device = cuda.Device(device_id)
-        # The watchdog thread's own: a CuPy Device keeps the devices to restore on exit in the
-        # object, so one object entered by two threads can leave either on the other's device.
-        self._watchdog_device = cuda.Device(device_id)
+        self._get_device = cuda.runtime.getDevice
         self._rank = mpi_comm.Get_rank()
         self._size = mpi_comm.Get_size()
         self._tracker = tracker
@@ -176,11 +187,16 @@ class NcclBackend:
         self._new_event = cuda.Event
         self._inflight: collections.deque = collections.deque()
         self._spare_events: list = []   # events of completed async Works, to record again
+        # (event, arrays) of synchronous calls on a ``stream=``: kept until the event is done
+        self._held: collections.deque = collections.deque()
+        self._owner: Any = None   # the thread of the last call (one thread at a time)
+        self._captures = 0        # collectives captured in CUDA graphs
+        self._replays = (0, 0)    # (graph replays by launch_graph, the collective before the last)
         self._group: Any = None   # the open batch() block, if any
         self._aborted = ""        # why the NCCL communicator can no longer be used
         self._peer_lost = False
-        # The watchdog's use of the NCCL communicator against abort() and close() (NCCL's
-        # communicator is not thread-safe there).
+        # Every use of the NCCL communicator (launches, the watchdog's, abort, close): NCCL's
+        # communicator is not thread-safe, and ncclCommAbort frees what a launch uses.
         self._lifetime = threading.Lock()
         with self._device:
             if nccl_comm is None:
@@ -213,24 +229,75 @@ class NcclBackend:
         ``stream``) itself, then ``_finished`` recorded after it for the watchdog; none in a
         capture (the watchdog must never query an event recorded there). An ``async_op``
         call: see :meth:`_launch_async`."""
-        if self._aborted:
-            raise self._was_aborted(label)
-        tracker = self._tracker
-        tracker.seq = seq = tracker.seq + 1
-        self._flight[seq % self._slots] = (label, "nccl")
-        if self._group is not None:
-            return self._launch_grouped(call, args, result, keep, label, stream, unpack)
-        # Handles 0 and 2 mean the current device's default streams, and a CUDA runtime call
-        # makes a context on the current device: the communicator's device is made current.
-        with self._device:
-            if async_op:
-                return self._launch_async(call, args, result, keep, label, stream, unpack)
-            here = self._current_stream(self.device_id) if stream is None else stream
-            captured = here.ptr not in _LEGACY and here.is_capturing()
-            self._run(call, args, here, label, unpack)
-            if not captured:
-                self._finished.record(here)
-            return result
+        with self._lifetime:   # (not while the watchdog aborts it)
+            if self._aborted:
+                raise self._was_aborted(label)
+            if _thread() != self._owner:
+                self._take_over(label)
+            tracker = self._tracker
+            tracker.seq = seq = tracker.seq + 1
+            self._flight[seq % self._slots] = (label, "nccl")
+            if self._group is not None:
+                return self._launch_grouped(call, args, result, keep, label, stream, unpack)
+            # Handles 0 and 2 mean the current device's default streams, and a CUDA runtime
+            # call makes a context on the current device: the communicator's device is made
+            # current, and only where it is not (CuPy's Device.__exit__ always sets back).
+            switch = self._get_device() != self.device_id
+            if switch:
+                self._device.__enter__()
+            try:
+                if async_op:
+                    return self._launch_async(call, args, result, keep, label, stream, unpack)
+                here = self._current_stream(self.device_id) if stream is None else stream
+                captured = here.ptr not in _LEGACY and here.is_capturing()
+                self._run(call, args, here, label, unpack)
+                if captured:
+                    self._captures += 1
+                else:
+                    self._finished.record(here)
+                    if stream is not None:
+                        self._hold(keep, here)
+                return result
+            finally:
+                if switch:
+                    self._device.__exit__(None, None, None)
+
+    def _take_over(self, label: str) -> None:
+        """A call from another thread than the last call's: refused while that thread's
+        collectives are in flight or its batch() block is open (NCCL forbids using one
+        communicator from two threads at once: interleaved differently on the ranks, their
+        calls would reduce each other's buffers), else this thread's from now on."""
+        if self._owner is not None:
+            if self._group is not None:
+                busy = "its batch() block is open"
+            else:
+                with _relaxed_capture_mode(self._runtime):
+                    busy = "its collectives are still in flight" if self._in_flight() else ""
+            if busy:
+                raise RuntimeError(
+                    f"{label}: this communicator is in use by another thread ({busy}) on rank "
+                    f"{self._rank}; NCCL forbids using one communicator from two threads at "
+                    f"once: use one communicator per thread (comm.split), or hold one lock "
+                    f"around each thread's calls until they complete")
+        self._owner = _thread()
+
+    def _in_flight(self) -> bool:
+        """Whether collectives launched outside captures have not completed yet."""
+        inflight = self._inflight
+        return not self._finished.done or bool(
+            inflight and inflight[-1]._event is not None and not inflight[-1]._event.done)
+
+    def _hold(self, keep: tuple, stream: Any) -> None:
+        """Keep ``keep`` alive until ``stream`` has got past the call just launched there:
+        memory allocated on the caller's stream goes back to that stream's pool when dropped,
+        which may hand it out again before ``stream`` reads it (torch's recordStream does
+        this for tensors). Those of earlier calls that are done are let go first."""
+        held, spare = self._held, self._spare_events
+        while held and held[0][0].done:
+            spare.append(held.popleft()[0])
+        event = spare.pop() if spare else self._new_event(disable_timing=True)
+        event.record(stream)
+        held.append((event, keep))
 
     def _launch_async(self, call, args: tuple, result, keep: tuple, label: str, stream: Any,
                       unpack) -> DeviceWork:
@@ -259,7 +326,9 @@ class NcclBackend:
         event = spare.pop() if spare else self._new_event(disable_timing=True)
         event.record(stream)
         work = DeviceWork(event, result, keep, self, label, captured, True)
-        if not captured:
+        if captured:
+            self._captures += 1
+        else:
             inflight.append(work)
         return work
 
@@ -300,8 +369,11 @@ class NcclBackend:
         self._group = None
         if group.kind != "device" or cancel:
             return
-        with self._device:
-            self._launch_group(group)
+        with self._lifetime:
+            if self._aborted:
+                raise self._was_aborted("batch")
+            with self._device:
+                self._launch_group(group)
 
     def _launch_group(self, group: Any) -> None:
         stream = self._stream
@@ -325,6 +397,7 @@ class NcclBackend:
         event = self._new_event(disable_timing=True)
         event.record(stream)
         group.caller.wait_event(event)
+        self._captures += captured
         for work in group.works:
             work._event, work._captured = event, captured
             if not captured:
@@ -429,9 +502,35 @@ class NcclBackend:
             raise self._was_aborted("split")
         # CuPy's docstring of commSplit: collectives still in flight may deadlock it.
         self._synchronize()
-        with self._device:
+        with self._lifetime, self._device:
+            if self._aborted:
+                raise self._was_aborted("split")
             return self._nccl(lambda: self._comm.commSplit(-1 if color is None else color, key),
                               "split")
+
+    def launch_graph(self, graph: Any, stream: Any) -> None:
+        """Launch ``graph`` on ``stream`` (None: the caller's current stream), then record
+        the watchdog's event after it, so that a replay that does not complete (a peer that
+        never launches its graph) is aborted after the timeout and named. NCCL serializes
+        the graph launches of a communicator with its other calls, so that one event still
+        covers all of them. Refused once the communicator was aborted (its memory is freed)."""
+        with self._lifetime:
+            if self._aborted:
+                raise self._was_aborted("launch_graph")
+            with self._device:
+                here = self._current_stream(self.device_id) if stream is None else stream
+                graph.launch(here)
+                if not (here.ptr not in _LEGACY and here.is_capturing()):
+                    self._finished.record(here)
+                    self._replays = (self._replays[0] + 1, self._tracker.seq)
+
+    def pending(self, seq: int) -> str:
+        """What the watchdog names when device work up to collective ``seq`` is late."""
+        replays, after = self._replays
+        if replays and after == seq:
+            return (f"the CUDA graph replay #{replays} (launch_graph) after device collective "
+                    f"#{seq} has")
+        return f"device collectives up to #{seq} have"
 
     # -- memory, Work support, faults, lifetime ---------------------------------------------------
     def empty(self, shape: tuple, dtype: Any, stream: Any = None) -> Any:
@@ -505,18 +604,28 @@ class NcclBackend:
             last = self._inflight[-1]._event if self._inflight else None
         except IndexError:   # emptied by the main thread meanwhile
             last = None
-        with _relaxed_capture_mode(self._runtime), self._watchdog_device:
+        runtime = self._runtime
+        # The watchdog thread's device is set once and never set back: a new thread's
+        # device is 0, and setting it back (as CuPy's Device.__exit__ does) would make a
+        # context on GPU 0 for every rank.
+        if runtime.getDevice() != self.device_id:
+            runtime.setDevice(self.device_id)
+        with _relaxed_capture_mode(runtime):
             return not self._finished.done or (last is not None and not last.done)
 
     def async_error(self) -> str:
-        """NCCL's asynchronous error, if it reported one, else ''."""
-        with self._lifetime:
+        """NCCL's asynchronous error, if it reported one, else ''. Not asked while a launch,
+        an abort or close uses the communicator (asked again at the next look)."""
+        if not self._lifetime.acquire(blocking=False):
+            return ""
+        try:
             if self._aborted:   # aborted, or closing: the communicator is (being) freed
                 return ""
-            try:
-                self._comm.check_async_error()
-            except self._raw_error as error:
-                return str(error)
+            self._comm.check_async_error()
+        except self._raw_error as error:
+            return str(error)
+        finally:
+            self._lifetime.release()
         return ""
 
     def _synchronize(self) -> None:
@@ -528,7 +637,10 @@ class NcclBackend:
 
     def close(self) -> None:
         """Wait for the collectives in flight, then destroy the NCCL communicator (unless the
-        watchdog aborted it meanwhile)."""
+        watchdog aborted it meanwhile). One whose collectives were captured in CUDA graphs
+        is kept instead, until the process ends: a graph replayed after close() would
+        otherwise run kernels on its freed memory, and cupycomm cannot know when the last
+        graph is gone."""
         if self._aborted:
             return
         self._synchronize()
@@ -538,4 +650,8 @@ class NcclBackend:
             self._aborted = "closed"   # the closing mark: the watchdog leaves it alone
             self._inflight.clear()
             self._spare_events.clear()
-            self._comm.destroy()
+            self._held.clear()
+            if self._captures:
+                _KEPT_FOR_GRAPHS.append(self._comm)   # (CuPy destroys it when collected)
+            else:
+                self._comm.destroy()

@@ -186,9 +186,9 @@ class Tracker:
         elif device is not None and device.has_pending_work():
             waited = self._waited(("device", seq), now)
             if waited > self.timeout:
-                self._abort_device(device, f"device collectives up to #{seq} on "
-                                   f"communicator {self.name} have not finished after "
-                                   f"{waited:.0f} s (timeout {self.timeout:g} s)")
+                self._abort_device(device, f"{device.pending(seq)} not finished after "
+                                   f"{waited:.0f} s on communicator {self.name} "
+                                   f"(timeout {self.timeout:g} s)")
             elif self.board is not None:
                 # A peer that left cleanly closed its communicator, which waits for its
                 # device work: only a death can leave this rank's NCCL kernels waiting.

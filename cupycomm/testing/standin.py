@@ -55,9 +55,11 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     models ranks that see one node's GPUs) [NCCL ``init.cc``: "Duplicate GPU detected",
     ncclInvalidUsage; the host hash of NCCL_HOSTID].
 11. An aborted or destroyed communicator refuses every call, ``check_async_error``
-    included; destroy or abort while another thread is inside ``check_async_error`` is
-    refused [CuPy's destroy/abort set the handle to NULL: NCCL answers ncclInvalidArgument;
-    ncclCommGetAsyncError takes no lock while ncclCommDestroy frees the communicator].
+    included; destroy or abort while another thread is inside a call on it (a launch,
+    ``check_async_error``) is refused [CuPy's destroy/abort set the handle to NULL: NCCL
+    answers ncclInvalidArgument; ncclCommGetAsyncError takes no lock while ncclCommDestroy
+    frees the communicator; NCCL's user guide, "Thread Safety": no concurrent operations on
+    one communicator from several threads].
 12. Arguments are converted as CuPy's compiled signatures do: arity, TypeError without
     ``__index__``, OverflowError outside the C type, ``bytes`` unique ids [CuPy's
     ``cupy_backends/cuda/libs/nccl.pyx`` and ``cupy_backends/cuda/api/runtime.pyx``;
@@ -66,7 +68,31 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     in captures): a call on one stream first lets the stream of the communicator's previous
     call get past it [NCCL ``enqueue.cc``: ncclLaunchPrepare makes the launch stream wait on
     the communicator's device stream, ncclLaunchFinish makes that wait on the kernel].
-14. A failed runtime call is kept as the host thread's last error (:func:`last_error`), which
+14. ``cudaSetDevice`` creates its device's primary context in the process (:data:`contexts`,
+    :func:`context_devices`), and so does any runtime call on a device without one;
+    ``Device.__exit__`` always sets the previous device back, 0 in a thread that never set
+    one [CUDA 12 Runtime API, cudaSetDevice: "initializes the primary context";
+    pytorch#94864; CuPy v14.2.0 ``cupy/cuda/device.pyx``, ``Device.__enter__``/``__exit__``].
+15. One communicator is not used from two threads at once: a call from a thread other than
+    the last call's, while that call has not completed or while that thread's open group
+    holds a call of it, is refused; ``groupStart``/``groupEnd`` state is per thread [NCCL's
+    user guide, "Thread Safety" and "Group Calls": the group state is thread-local].
+16. The legacy null stream synchronizes with the blocking streams of its device: work on it
+    waits for their earlier work and theirs for its earlier work; non-blocking streams are
+    not ordered with it [CUDA Runtime API, "Stream synchronization behavior", legacy default
+    stream; ``cudaStreamNonBlocking``].
+17. Handle 2 is the calling thread's per-thread default stream of the current device, a
+    blocking stream (ordered with the legacy null stream) [CUDA Runtime API,
+    ``cudaStreamPerThread``, "Stream synchronization behavior"; CuPy ``Stream.ptds``].
+18. Graph launches of one communicator are serialized with its other calls: a replayed NCCL
+    call takes its place in rule 13's order when the graph is launched [NCCL
+    ``strongstream.cc``/``enqueue.cc``: a captured launch is ordered after the communicator's
+    serial event, so graphs of one communicator never run their kernels at once].
+19. A graph whose captured NCCL calls use a communicator that was destroyed or aborted since
+    is refused at launch (cudaErrorIllegalAddress, before anything runs), not skipped: on a
+    GPU its kernels would use freed memory [NCCL ``ncclCommDestroy``/``ncclCommAbort`` free
+    the communicator's device memory, which captured kernels reference].
+20. A failed runtime call is kept as the host thread's last error (:func:`last_error`), which
     CuPy's wrappers reset before they raise; its Python runtime has no ``getLastError``: a
     ``deviceEnablePeerAccess`` of a pair already enabled (status 704) leaves none [CUDA
     Runtime API, cudaGetLastError: the last error of any runtime call in the host thread,
@@ -128,15 +154,18 @@ class Device:
         return getattr(Device._local, "id", 0)
 
     def use(self) -> None:
-        Device._local.id = self.id
+        setDevice(self.id)
 
     def __enter__(self) -> "Device":
-        self._previous = Device.current_id()
-        self.use()
+        # CuPy keeps the devices to restore on the object (one stack per Device object)
+        previous = getDevice()
+        self.__dict__.setdefault("_previous", []).append(previous)
+        if previous != self.id:
+            self.use()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        Device._local.id = self._previous
+        setDevice(self._previous.pop())   # CuPy: always, even to a device never set
 
     def synchronize(self) -> None:
         """cudaDeviceSynchronize: every stream's work (a potentially unsafe call)."""
@@ -175,6 +204,24 @@ class ndarray(np.ndarray):
     def get(self) -> np.ndarray:
         """cupy.ndarray.get: a host copy."""
         return np.array(self.view(np.ndarray))
+
+
+def getDevice() -> int:
+    """cudaGetDevice: this thread's current device (0 when new); makes no context."""
+    return Device.current_id()
+
+
+def setDevice(device: int) -> None:
+    """cudaSetDevice: makes ``device`` current in this thread and, since CUDA 12, creates its
+    primary context in this process (rule 14)."""
+    Device(device)
+    Device._local.id = device
+    _runtime_call("cudaSetDevice")
+
+
+def context_devices() -> set:
+    """The devices on which this process has a CUDA context (see :data:`contexts`)."""
+    return {device for _, device in contexts}
 
 
 def _track(array: np.ndarray) -> None:
@@ -333,11 +380,14 @@ class Stream:
     _ptrs = itertools.count(0x1000, 0x10)
     _local = threading.local()
     null: "Stream"
+    ptds: "Stream"
 
     def __init__(self, null: bool = False, non_blocking: bool = False, *,
-                 deferred: bool = False) -> None:
-        self.ptr = 0 if null else next(Stream._ptrs)
+                 deferred: bool = False, handle: int = 0) -> None:
+        self.ptr = handle if null else next(Stream._ptrs)   # (handles 0 and 2: see below)
         self.device_id = -1 if null else Device.current_id()   # CuPy: -1 for the null stream
+        self.home = Device.current_id()
+        self.blocking = not non_blocking   # ordered with the legacy null stream (rule 16)
         self.deferred = deferred or DEFER_ALL
         self.busy = DEFER_ALL and not deferred   # held back, but progresses when queried
         self.pending: List[Callable[[], Optional[list]]] = []
@@ -362,10 +412,33 @@ class Stream:
             self.log.append(f"captured {name}")
             return
         self.log.append(name)
+        op = self._legacy_ordered(op)
         self.enqueued += 1
         self.pending.append(op)
         if not self.deferred:
             self.run_until(self.enqueued, complete=False)
+
+    def _legacy_ordered(self, op: Callable[[], Optional[list]]) -> Callable:
+        """``op`` after the earlier work of the streams the legacy null stream orders it with
+        (rule 16): the null stream's after every blocking stream of its device, a blocking
+        stream's after the null stream."""
+        if not self.blocking:
+            return op
+        if self.ptr == 0:
+            others = [s for s in list(Stream._registry.values()) + list(_PerThreadStream.all)
+                      if s.blocking and s.home == self.home and s is not self]
+        else:
+            others = [_NullStream._queues.get(self.home)]
+        before = [(s, s.enqueued) for s in others
+                  if s is not None and (s.executed < s.enqueued or s.outstanding)]
+        if not before:
+            return op
+
+        def ordered() -> Optional[list]:
+            for stream, position in before:
+                stream.run_until(position)
+            return op()
+        return ordered
 
     def run_until(self, position: int, complete: bool = True) -> None:
         with self.lock:
@@ -484,7 +557,9 @@ class Stream:
 
     @staticmethod
     def from_ptr(ptr: int) -> "Stream":
-        return Stream.null.queue() if ptr == 0 else Stream._registry[ptr]
+        if ptr in (0, 2):
+            return (Stream.null if ptr == 0 else Stream.ptds).queue()
+        return Stream._registry[ptr]
 
     def __repr__(self) -> str:
         return f"<stand-in Stream {self.ptr:#x}{' deferred' if self.deferred else ''}>"
@@ -516,21 +591,40 @@ class _NullStream:
     __enter__, __exit__, use = Stream.__enter__, Stream.__exit__, Stream.use
 
     def __eq__(self, other: Any) -> bool:
-        return getattr(other, "ptr", None) == 0
+        return getattr(other, "ptr", None) == self.ptr
 
     def __hash__(self) -> int:
-        return 0
+        return self.ptr
 
     def __repr__(self) -> str:
-        return "<stand-in Stream.null>"
+        return f"<stand-in Stream.{'null' if self.ptr == 0 else 'ptds'}>"
 
 
 def _resolved(stream: Any) -> Stream:
-    """The stream a handle means now: handle 0 is the current device's null stream."""
+    """The stream a handle means now: handle 0 is the current device's null stream, handle 2
+    the calling thread's per-thread default stream."""
     return stream.queue() if isinstance(stream, _NullStream) else stream
 
 
+class _PerThreadStream(_NullStream):
+    """Stream.ptds, handle 2: CUDA's per-thread default stream, the *calling thread's* own on
+    the current device; a blocking stream (rule 17)."""
+
+    ptr = 2
+    _threads = threading.local()
+    all: "weakref.WeakSet[Stream]" = weakref.WeakSet()
+
+    def queue(self) -> Stream:
+        queues = self._threads.__dict__.setdefault("queues", {})
+        device = Device.current_id()
+        if device not in queues:
+            queues[device] = Stream(null=True, handle=2)
+            self.all.add(queues[device])
+        return queues[device]
+
+
 Stream.null = _NullStream()  # type: ignore[assignment]
+Stream.ptds = _PerThreadStream()  # type: ignore[attr-defined]
 
 
 def get_current_stream(device_id: int = -1) -> Stream:
@@ -643,7 +737,9 @@ class _Capture:
 
 streamCaptureModeGlobal, streamCaptureModeThreadLocal, streamCaptureModeRelaxed = 0, 1, 2
 _thread_modes = threading.local()   # this thread's capture interaction mode (global when new)
-contexts: set = set()               # (thread, device) of every runtime call: a CUDA context
+# (thread, device) of every runtime call: the device's primary context exists in this process
+# from then on (context_devices() counts them per device); the thread says who made it
+contexts: set = set()
 
 
 def threadExchangeStreamCaptureMode(mode: int) -> int:
@@ -691,9 +787,48 @@ class Graph:
         self.ops = ops
 
     def launch(self, stream: Optional[Stream] = None) -> None:
-        stream = stream or get_current_stream()
+        """Replay on ``stream``; refused before anything runs if a communicator whose calls
+        were captured is destroyed or aborted (rule 19: the graph's NCCL kernels would use
+        its freed memory); the captured NCCL calls take their place in their communicator's
+        order (rule 18)."""
+        stream = _resolved(stream or get_current_stream())
         for op, name in self.ops:
-            stream.enqueue(op, f"graph {name}")
+            for comm in _CapturedCall.communicators(op):
+                if not comm._alive:
+                    raise CUDARuntimeError(
+                        f"stand-in: cudaErrorIllegalAddress: the graph's {name} uses an NCCL "
+                        f"communicator that was destroyed or aborted after the capture (its "
+                        f"memory is freed)")
+        for op, name in self.ops:
+            stream.enqueue(_CapturedCall.replayed(op, stream), f"graph {name}")
+
+
+class _CapturedCall:
+    """A captured NCCL call of ``comm``: a graph node. NCCL serializes the graph launches of
+    one communicator with its other work (``strongstream.cc``: a captured launch is ordered
+    after the communicator's serial event), so each replay takes its place in ``comm``'s
+    order (rule 13) when the graph is launched."""
+
+    def __init__(self, comm: "NcclCommunicator", op: Callable) -> None:
+        self.comm, self.op = comm, op
+
+    def __call__(self) -> Optional[list]:
+        return self.op()
+
+    @staticmethod
+    def communicators(op: Callable) -> list:
+        found = []
+        while isinstance(op, _CapturedCall):
+            found.append(op.comm)
+            op = op.op
+        return found
+
+    @staticmethod
+    def replayed(op: Callable, stream: Stream) -> Callable:
+        """``op`` as launched on ``stream`` now: after its communicators' previous calls."""
+        if not isinstance(op, _CapturedCall):
+            return op
+        return op.comm._in_order(stream, _CapturedCall.replayed(op.op, stream))
 
 
 def launch(stream: Stream, kernel: Callable[[], None], name: str = "kernel") -> None:
@@ -773,7 +908,14 @@ _AVG = 4
 # Stand-in traffic travels on its own duplicate of the world: every rank imports this module.
 _WORLD = MPI.COMM_WORLD.Dup()
 _ids = itertools.count()
-_group: Optional[list] = None   # (stream pointer, issue) of each call in an open NCCL group
+# NCCL's group state is per thread: (stream pointer, issue, communicator) of each call of this
+# thread's open group in ``calls``, how deeply groups nest in ``depth`` (rule 15)
+_groups = threading.local()
+
+
+def _open_group() -> Optional[list]:
+    """This thread's open NCCL group's calls, or None outside a group."""
+    return getattr(_groups, "calls", None)
 
 
 def get_unique_id() -> bytes:
@@ -790,24 +932,24 @@ def get_version() -> int:
     return VERSION
 
 
-_depth = 0   # groups nest, as in NCCL: only the outermost groupEnd launches
-
-
 def groupStart() -> None:
-    global _group, _depth
-    if _depth == 0:
-        _group = []
-    _depth += 1
+    """Groups nest, as in NCCL: only the outermost groupEnd launches."""
+    depth = getattr(_groups, "depth", 0)
+    if depth == 0:
+        _groups.calls = []
+    _groups.depth = depth + 1
 
 
 def groupEnd() -> None:
-    global _group, _depth
-    if _depth == 0:
+    depth = getattr(_groups, "depth", 0)
+    if depth == 0:
         raise NcclError("stand-in: groupEnd without groupStart")
-    _depth -= 1
-    if _depth:
+    _groups.depth = depth - 1
+    if depth > 1:
         return
-    calls, _group = _group, None
+    calls, _groups.calls = _groups.calls, None
+    for comm in {id(comm): comm for _, _, comm in calls}.values():
+        comm._grouping = None
     _end_local_group()
     if not calls:
         return
@@ -868,8 +1010,10 @@ class NcclCommunicator:
         self._rank, self._size = rank, ndev
         self._alive = True
         self._last: Optional[tuple] = None   # (stream, position) of the last call not captured
-        self._readers = 0   # threads inside check_async_error now
+        self._inside: list = []   # the NCCL calls other threads are inside now
         self._readers_lock = threading.Lock()
+        self._user: Optional[int] = None      # the thread of the last call
+        self._grouping: Optional[int] = None  # the thread whose open group has a call of it
         self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
 
     @staticmethod
@@ -912,27 +1056,33 @@ class NcclCommunicator:
             raise NcclError("stand-in: ncclInvalidArgument: communicator destroyed or aborted "
                             "(its memory is freed)", status=4)
 
-    def check_async_error(self) -> None:
+    @contextlib.contextmanager
+    def _entered(self, call: str):
+        """A thread inside NCCL's ``call`` on this communicator for the block (rule 11)."""
         with self._readers_lock:
             self._check()
-            self._readers += 1
+            self._inside.append(call)
         try:
-            if self.async_error:
-                raise NcclError(f"stand-in asynchronous error: {self.async_error}", status=6)
+            yield
         finally:
             with self._readers_lock:
-                self._readers -= 1
+                self._inside.remove(call)
+
+    def check_async_error(self) -> None:
+        with self._entered("ncclCommGetAsyncError"):
+            if self.async_error:
+                raise NcclError(f"stand-in asynchronous error: {self.async_error}", status=6)
 
     def _free(self, call: str) -> None:
         """ncclCommDestroy/ncclCommAbort: refused on a freed communicator, and while another
-        thread is inside ncclCommGetAsyncError (which takes no lock: it would read freed
-        memory)."""
+        thread is inside a call on it (ncclCommGetAsyncError takes no lock, a launch uses
+        the communicator's memory: both would read freed memory)."""
         with self._readers_lock:
             if not self._alive:   # CuPy: a no-op once its handle is NULL
                 return
-            if self._readers:
+            if self._inside:
                 raise NcclError(f"stand-in: {call} while another thread is inside "
-                                f"ncclCommGetAsyncError on this communicator (NCCL reads "
+                                f"{self._inside[0]} on this communicator (NCCL reads "
                                 f"the memory {call} frees)", status=5)
             self._alive = False
 
@@ -953,19 +1103,40 @@ class NcclCommunicator:
         split = object.__new__(NcclCommunicator)
         split._comm, split._rank, split._size = sub, sub.Get_rank(), sub.Get_size()
         split._device, split._alive, split.async_error = self._device, True, None
-        split._last = None
-        split._readers, split._readers_lock = 0, threading.Lock()
+        split._last = split._user = split._grouping = None
+        split._inside, split._readers_lock = [], threading.Lock()
         return split
 
     # -- the work: every call validates now and runs when its stream gets there
     def _submit(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]],
                 nonblocking: Optional[Callable[[], list]] = None) -> None:
-        self._check()
-        if _group is not None:
-            # In a group, sends and receives start as MPI requests and collectives run in
-            # the order they were issued (NCCL requires every rank to issue them alike).
-            _group.append((stream_ptr, nonblocking or (lambda: run() or []), self))
-            return
+        with self._entered(f"nccl{name[0].upper()}{name[1:]}"):
+            self._check_thread(name)
+            group = _open_group()
+            if group is not None:
+                # In a group, sends and receives start as MPI requests and collectives run in
+                # the order they were issued (NCCL requires every rank to issue them alike).
+                group.append((stream_ptr, nonblocking or (lambda: run() or []), self))
+                self._grouping = threading.get_ident()
+                return
+            self._enqueue(stream_ptr, name, run)
+
+    def _check_thread(self, name: str) -> None:
+        """Rule 15: a call from another thread than the last one's while that call has not
+        completed, or while that thread's open group holds a call of this communicator, is
+        refused (NCCL: one communicator is not used from two threads at once; its group
+        state is per thread)."""
+        me = threading.get_ident()
+        if self._user not in (None, me):
+            last = self._last
+            if self._grouping not in (None, me) or (
+                    last is not None and not last[0].reached(last[1])):
+                raise NcclError(f"stand-in: ncclInvalidUsage: {name} from a second thread "
+                                f"while another thread's call on this communicator is in "
+                                f"progress (NCCL forbids concurrent use)", status=5)
+        self._user = me
+
+    def _enqueue(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]]) -> None:
         # An aborted communicator's kernels end without doing their work.
         stream = Stream.from_ptr(stream_ptr)
         stream.enqueue(self._in_order(stream, lambda: None if NO_WORK or not self._alive
@@ -973,10 +1144,11 @@ class NcclCommunicator:
 
     def _in_order(self, stream: Stream, op: Callable[[], Optional[list]]) -> Callable:
         """``op``, about to be enqueued on ``stream``, after this communicator's previous call
-        (rule 13): it first runs that call's stream up to it."""
+        (rule 13): it first runs that call's stream up to it. Captured, a graph node that
+        is ordered so when the graph is launched (rule 18)."""
         last = self._last
-        if stream.capture is not None:   # a graph node: NCCL orders graph launches its own way
-            return op
+        if stream.capture is not None:
+            return _CapturedCall(self, op)
         self._last = (stream, stream.enqueued + 1)
         if last is None or last[0] is stream:
             return op
@@ -1072,7 +1244,8 @@ nccl = _submodule("cuda.nccl", available=True,
                   NcclCommunicator=NcclCommunicator, NcclError=NcclError,
                   get_unique_id=get_unique_id, get_version=get_version, groupStart=groupStart,
                   groupEnd=groupEnd)
-runtime = _submodule("cuda.runtime", getDeviceCount=lambda: DEVICE_COUNT)
+runtime = _submodule("cuda.runtime", getDeviceCount=lambda: DEVICE_COUNT, getDevice=getDevice,
+                     setDevice=setDevice)
 cuda = _submodule("cuda", Device=Device, Stream=Stream, Event=Event, runtime=runtime,
                   get_current_stream=get_current_stream, __path__=[])
 
@@ -1335,7 +1508,7 @@ class LocalNcclCommunicator:
     def _call(self, kind: str, key: tuple, stream: int, send: Any, recv: Any) -> None:
         if not self._alive:
             raise NcclError("stand-in: communicator destroyed", status=5)
-        if _group is None:
+        if _open_group() is None:
             raise NcclError(f"stand-in: {kind} on one of several communicators of this process "
                             f"outside groupStart()/groupEnd(): NCCL would deadlock", status=5)
         self._clique.calls[self._rank].append(_Call(kind, key, stream, send, recv))
