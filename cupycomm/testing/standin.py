@@ -424,6 +424,7 @@ class Stream:
         stream's after the null stream."""
         if not self.blocking:
             return op
+        others: List[Optional[Stream]]
         if self.ptr == 0:
             others = [s for s in list(Stream._registry.values()) + list(_PerThreadStream.all)
                       if s.blocking and s.home == self.home and s is not self]
@@ -624,7 +625,7 @@ class _PerThreadStream(_NullStream):
 
 
 Stream.null = _NullStream()  # type: ignore[assignment]
-Stream.ptds = _PerThreadStream()  # type: ignore[attr-defined]
+Stream.ptds = _PerThreadStream()  # type: ignore[assignment]
 
 
 def get_current_stream(device_id: int = -1) -> Stream:
