@@ -32,7 +32,7 @@ method runs the host backend's prepared call (``backends.mpi.PreparedCalls``; it
 ``_blocking`` and ``_started``), looked up inline: a shared helper would cost every call a
 frame. Anything else takes the general path (``Router.route``, the checks, the backend's
 methods), which makes every check and raises the errors; the fast path rejects exactly what
-it does (``tests/test_prepared.py``).
+it does (``tests/backends/test_prepared.py``).
 """
 from __future__ import annotations
 

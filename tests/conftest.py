@@ -61,6 +61,19 @@ def comm(lib, request):
     release(request, communicator, communicator.close)
 
 
+@pytest.fixture(params=["world", "dup", "split"])
+def any_comm(comm, request):
+    """``comm`` itself, a copy of it (``split(0)``: every rank, same order, its own context)
+    and its half of a parity split, for tests about what every communicator must do alike;
+    the derived ones are closed after the test (or kept if it failed, see ``release``)."""
+    if request.param == "world":
+        yield comm
+        return
+    derived = comm.split(0 if request.param == "dup" else comm.rank % 2)
+    yield derived
+    release(request, derived, derived.close)
+
+
 def _shared_gpu(lib, request):
     """The module's shared GPU communicator, or a new one where it cannot be reused on some
     rank (the ranks agree first: making one is collective)."""

@@ -124,6 +124,17 @@ def test_op_not_defined_for_dtype(lib, comm, dtype, op):
             all_inputs(comm.size, SHAPE, dtype), "sum", comm.size))
 
 
+def test_all_reduce_and_broadcast_on_every_kind_of_communicator(lib, any_comm):
+    """The world, a copy of it and a split half each reduce and broadcast over their own
+    members, numbered from 0 in each."""
+    x = lib.array(rank_input(any_comm.rank, SHAPE, np.float64))
+    assert_equal(lib, any_comm.all_reduce(x), reduce_reference(
+        all_inputs(any_comm.size, SHAPE, np.float64), "sum", any_comm.size))
+    root = any_comm.size - 1
+    y = lib.array(rank_input(any_comm.rank, SHAPE, np.float64))
+    assert_equal(lib, any_comm.broadcast(y, root), rank_input(root, SHAPE, np.float64))
+
+
 @pytest.mark.parametrize("op", list(cupycomm.ReduceOp))
 def test_reduce_op_enum_and_string_agree(lib, comm, op):
     x = lib.array(rank_input(comm.rank, SHAPE, np.float64))

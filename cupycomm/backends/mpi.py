@@ -87,7 +87,7 @@ _MOVEMENTS, _REDUCTIONS = _tables()
 # started one returns a request, which ``started`` turns into a HostWork. The prepared calls
 # and the general path (MPIBackend's methods) both run these. A helper for the marks would
 # cost every call a second frame: each body writes them alike, and
-# tests/test_watchdog_marks.py checks every prepared one.
+# tests/faults/test_watchdog.py checks every prepared one.
 Started = Callable[[Any, Any, tuple, str], HostWork]
 
 

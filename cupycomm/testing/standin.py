@@ -20,7 +20,7 @@ a GPU. Only CUDA and NCCL are stood in:
   inside its id) and build their MPI communicator with ``MPI_Comm_create_group``.
 
 The rules it enforces where cupycomm depends on them, each broken on purpose by a test of
-``tests/test_standin_rules.py`` (source in brackets):
+``tests/testing/test_standin_rules.py`` (source in brackets):
 
 1. ``cuda.nccl`` exists only once ``<module>.cuda.nccl`` is imported [CuPy's
    ``cupy/cuda/__init__.py`` does not import it; its ``__getattr__`` raises AttributeError].

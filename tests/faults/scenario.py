@@ -1,4 +1,4 @@
-"""Fault scenarios, one per command line, run under mpiexec by tests/test_faults.py.
+"""Fault scenarios, one per command line, run under mpiexec by tests/faults/test_scenarios.py.
 
     mpiexec -n 3 python tests/faults/scenario.py raise-before-collective
 

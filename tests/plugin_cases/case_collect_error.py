@@ -1,4 +1,4 @@
-"""A module that fails to import on one rank only (run by tests/test_plugin.py under mpiexec)."""
+"""A module that fails to import on one rank only (run by tests/testing/test_plugin.py under mpiexec)."""
 from mpi4py import MPI
 
 if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:

@@ -1,4 +1,4 @@
-"""Ranks that collect different tests (run by tests/test_plugin.py under mpiexec)."""
+"""Ranks that collect different tests (run by tests/testing/test_plugin.py under mpiexec)."""
 from mpi4py import MPI
 
 

@@ -1,5 +1,5 @@
 """A plugin (loaded with -p) that fails to import on the last rank only, before the session
-starts there (run by tests/test_plugin.py under mpiexec)."""
+starts there (run by tests/testing/test_plugin.py under mpiexec)."""
 from mpi4py import MPI
 
 if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:

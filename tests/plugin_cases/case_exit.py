@@ -1,4 +1,4 @@
-"""One rank stops the session (run by tests/test_plugin.py under mpiexec)."""
+"""One rank stops the session (run by tests/testing/test_plugin.py under mpiexec)."""
 import pytest
 from mpi4py import MPI
 

@@ -1,5 +1,5 @@
 """A fixture that skips on one rank, requested before the plugin's communicators (run by
-tests/test_plugin.py under mpiexec)."""
+tests/testing/test_plugin.py under mpiexec)."""
 import pytest
 from mpi4py import MPI
 

@@ -1,5 +1,5 @@
 """A test that hangs: rank 0 waits in a collective the others never enter (run by
-tests/test_plugin.py under mpiexec, with a small timeout)."""
+tests/testing/test_plugin.py under mpiexec, with a small timeout)."""
 from mpi4py import MPI
 
 

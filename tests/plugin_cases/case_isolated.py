@@ -1,4 +1,4 @@
-"""Four tests for 3 ranks, the third of which crashes rank 1 (run by tests/test_isolated.py in
+"""Four tests for 3 ranks, the third of which crashes rank 1 (run by tests/testing/test_isolated.py in
 one process: isolated mode runs them in an mpiexec job)."""
 import os
 

@@ -1,4 +1,4 @@
-"""Four tests for 2 ranks, the third of which hangs (run by tests/test_isolated.py in one
+"""Four tests for 2 ranks, the third of which hangs (run by tests/testing/test_isolated.py in one
 process: isolated mode runs them in an mpiexec job; the third ends at its timeout)."""
 import pytest
 

@@ -1,4 +1,4 @@
-"""Outcomes that differ between ranks (run by tests/test_plugin.py under mpiexec)."""
+"""Outcomes that differ between ranks (run by tests/testing/test_plugin.py under mpiexec)."""
 import pytest
 from mpi4py import MPI
 

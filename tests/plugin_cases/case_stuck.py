@@ -1,5 +1,5 @@
 """Tests that leave the other ranks waiting in a collective: a failure, an exit, a
-communicator closed by its peer (run by tests/test_plugin.py under mpiexec, one at a time
+communicator closed by its peer (run by tests/testing/test_plugin.py under mpiexec, one at a time
 with -k, after test_fails_on_rank_0)."""
 import os
 

@@ -27,7 +27,7 @@ pytestmark = [
                                                "for real (the arrays here point nowhere)"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PRELUDE = """
 import json, runpy, sys

@@ -34,7 +34,7 @@ import cupycomm
 from cupycomm import _bootstrap
 from cupycomm.backends.nccl import library_version
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STANDIN_MODULE = "cupycomm.testing.standin"
 WORLD = MPI.COMM_WORLD
 TINY = ["-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1"]

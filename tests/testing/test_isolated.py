@@ -18,7 +18,7 @@ from cupycomm.work import poll_until
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.mpi(max_size=1)   # starts pytest sessions that start mpiexec jobs
 
-CASES = Path(__file__).resolve().parent / "plugin_cases"
+CASES = Path(__file__).resolve().parents[1] / "plugin_cases"
 TIMEOUT = 120
 
 
@@ -62,7 +62,7 @@ def test_a_hang_fails_its_test_at_the_timeout_and_the_session_goes_on():
 
 
 def test_outcomes_in_a_job_read_as_under_mpiexec():
-    """The suite that tests/test_plugin.py runs under mpiexec -n 3, run here at sizes 1 and
+    """The suite that tests/testing/test_plugin.py runs under mpiexec -n 3, run here at sizes 1 and
     3 by the ini value mpi_sizes: each test twice, the size in its id."""
     status, out = plain_pytest("case_outcomes.py", "-ra", "-o", "mpi_sizes=1 3")
     assert status == 1, out

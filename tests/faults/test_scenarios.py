@@ -18,7 +18,7 @@ from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simu
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
-SCENARIO = str(Path(__file__).resolve().parent / "faults" / "scenario.py")
+SCENARIO = str(Path(__file__).resolve().parent / "scenario.py")
 BOUND = 10.0   # seconds within which every fault must end the job
 LAUNCHER = launchers.find().kind
 LIBRARY = launchers.library_kind(MPI.Get_library_version())
@@ -228,6 +228,6 @@ def test_a_rank_slower_than_the_heartbeat_bound_is_not_taken_for_dead(name):
     ended_quickly(job)
     assert job.output.count("finished with") == 3, job.output
     # 0, or hydra's own failure after every rank finished (1 run in 6 on simulated nodes:
-    # docs/guide/faults-and-timeouts.md; cupycomm.run ends 0 then, tests/test_run.py)
+    # docs/guide/faults-and-timeouts.md; cupycomm.run ends 0 then, tests/run/test_job.py)
     assert job.returncode == 0 or (job.returncode == 255 and HYDRA_OWN_FAILURE in job.output), \
         job.output

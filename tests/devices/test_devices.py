@@ -20,7 +20,7 @@ from cupycomm.backends import local as local_nccl
 from cupycomm.devices import comm as device_comm, copies as device_copies
 
 DTYPES = list(cupycomm.DTYPES)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Where:

@@ -17,7 +17,7 @@ from cupycomm.faults.board import RANK
 from cupycomm.run.launchers import find
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def nodes_of(comm):
@@ -106,7 +106,7 @@ def test_the_suite_passes_on_two_simulated_nodes():
     """This file and the host collectives (float64, sum: every collective) on 2 + 1 ranks of
     two nodes, every communicator closing cleanly: no heartbeat is left behind, nothing is
     printed about it."""
-    job = run_mpiexec(3, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_nodes.py",
+    job = run_mpiexec(3, "-m", "pytest", "-q", "-p", "no:cacheprovider", "faults/test_nodes.py",
                       "test_collectives.py", "-k",
                       "test_nodes or (host and float64 and not (prod or min or max or avg))",
                       timeout=120, cwd=str(TESTS),

@@ -17,7 +17,7 @@ from cupycomm.testing._session import TIMEOUT, worst_exit_status
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.mpi(max_size=1)   # starts mpiexec jobs of its own
 
-CASES = Path(__file__).resolve().parent / "plugin_cases"
+CASES = Path(__file__).resolve().parents[1] / "plugin_cases"
 SIZES = [2, 3]
 
 
