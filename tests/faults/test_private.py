@@ -109,7 +109,7 @@ def test_a_foreign_file_at_an_old_board_name_is_not_used():
     try:
         comm.barrier()
         sub = comm.split(0)
-        found = os.fstat(sub._tracker.board._fd) if sub.size > 1 else None
+        found = os.fstat(sub.parts.tracker.board._fd) if sub.size > 1 else None
         assert sub.all_reduce(np.ones(2)).tolist() == [comm.size] * 2
         sub.close()
         comm.barrier()
@@ -230,7 +230,7 @@ def test_the_job_works_on_boards_of_its_own():
     for c in (comm, sub):
         assert c.all_reduce(np.ones(2)).tolist() == [c.size] * 2
         if c.size > 1:
-            found = os.fstat(c._tracker.board._fd)
+            found = os.fstat(c.parts.tracker.board._fd)
             assert (found.st_uid, found.st_mode & 0o777, found.st_nlink) == (os.getuid(), 0o600, 0)
     pids = comm.all_gather_object(os.getpid())
     if comm.rank == 0:
