@@ -201,7 +201,7 @@ def test_board_files_are_private_while_they_exist(monkeypatch):
     create = private.create
     monkeypatch.setattr(private, "create", lambda d, n, size=0: (
         seen.append((os.lstat(d), d)), create(d, n, size))[1])
-    node = _bootstrap.node_comm(comm._mpi)
+    node = _bootstrap.node_comm(comm.mpi_comm)
     try:
         made = Board(node, 4)
     finally:
@@ -212,6 +212,7 @@ def test_board_files_are_private_while_they_exist(monkeypatch):
         assert directory.st_uid == os.getuid()
         assert os.path.basename(path).startswith(f"cupycomm-{os.getpid()}-")
         assert not os.path.exists(path)   # removed once every rank had mapped it
+    comm.barrier()   # (the node's first rank removes it after the agreement: then unlinked)
     found = os.fstat(made._fd)
     assert (found.st_uid, stat.S_IMODE(found.st_mode), found.st_nlink) == (os.getuid(), 0o600,
                                                                            0)
