@@ -16,6 +16,7 @@ from cupycomm.faults import flight
 from cupycomm.faults.board import RANK
 from cupycomm.run.launchers import find
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
+from test_scenarios import HYDRA_OWN_FAILURE
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -111,6 +112,9 @@ def test_the_suite_passes_on_two_simulated_nodes():
                       "test_nodes or (host and float64 and not (prod or min or max or avg))",
                       timeout=120, cwd=str(TESTS),
                       mpiexec_args=no_auto_cleanup() + simulated_nodes(2, 1))
-    assert job.returncode == 0, job.output
+    # 0, or hydra's own failure after every rank finished (docs/guide/faults-and-timeouts.md;
+    # it failed a whole CI run): the report below still says that every test passed
+    assert job.returncode == 0 or (job.returncode == 255 and HYDRA_OWN_FAILURE in job.output), \
+        job.output
     assert " passed" in job.output and "failed" not in job.output, job.output
     assert "heartbeat" not in job.output and "UCX" not in job.output, job.output
