@@ -75,7 +75,7 @@ def test_coalesced_empty_list_does_nothing(lib, comm):
     ("not-a-list", TypeError, "arrays must be a list of arrays, got ndarray"),
     ("int-avg", ValueError, r"op='avg' is not defined for int32"),
     ("mixed", TypeError, r"arrays\[1\] is (numpy|cupycomm\.testing\.standin)\.ndarray but arrays\[0\] is "
-                         r"(numpy\.ndarray|cupycomm\.testing\.standin\.ndarray|torch\.Tensor); one call takes "
+                         r"((numpy|cupy|cupycomm\.testing\.standin)\.ndarray|torch\.Tensor); one call takes "
                          r"host arrays or device"),
 ])
 def test_coalesced_rejects_bad_input_before_communication(lib, comm, case, kind, pattern):
