@@ -265,17 +265,24 @@ def _records(meta: Dict[str, Any], rows: Sequence[Row]) -> List[Dict[str, Any]]:
 
 @contextlib.contextmanager
 def replacing(path: str, mode: str = "w", **kwargs: Any) -> Iterator[Any]:
-    """``open(path + ".tmp")``, renamed to ``path`` once written: a run that fails midway
-    leaves the file it would have replaced as it was, never an empty or partial one.
+    """A new file beside ``path``, renamed to ``path`` once written: a run that fails midway
+    leaves the file it would have replaced as it was, never an empty or partial one. The new
+    file is created, never opened if it is there (``O_EXCL | O_NOFOLLOW``): in a directory
+    others can write, such as /tmp, a link planted under its name is not followed.
 
     Example::
 
         with replacing("rows.csv", newline="") as out:
             out.write("size,time\\n")
     """
-    partial = f"{path}.tmp"
+    partial = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(partial, mode, **kwargs) as out:
+        os.unlink(partial)   # one this process left before (a link is removed, not followed)
+    except FileNotFoundError:
+        pass
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        with os.fdopen(fd, mode, **kwargs) as out:
             yield out
         os.replace(partial, path)
     finally:

@@ -512,6 +512,17 @@ def test_files_are_replaced_only_once_written(out_dir):
     assert path.read_text() == "a new run\n"
 
 
+def test_a_link_planted_under_the_partial_files_name_is_not_followed(out_dir, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("someone else's file\n")
+    path = out_dir / "rows.csv"
+    os.symlink(victim, f"{path}.{os.getpid()}.tmp")
+    with replacing(str(path)) as out:
+        out.write("a new run\n")
+    assert victim.read_text() == "someone else's file\n"
+    assert path.read_text() == "a new run\n" and not path.is_symlink()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--root", "64"], "--root 64 is not a rank"),
     (["nonsense"], "unknown collective"),
