@@ -53,8 +53,11 @@ from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
 from .faults.watchdog import Tracker, unwatch, watch
 from .batch import Batch
+from .errors import PeerLost
 from .backends.mpi import PreparedCalls
 from .objects import Objects
+from .survivors.shrink import shrink as _shrink
+from .survivors.state import Survival, survival_for, world_ranks
 from .work import Work
 
 __all__ = ["Communicator", "Parts", "DEFAULT_TIMEOUT"]
@@ -76,6 +79,7 @@ class Parts(NamedTuple):
     router: Router            # the backends (host, device) and which one takes an array
     tracker: Tracker          # the watchdog's view: calls counted, the call in progress
     staging: coalesce.Staging   # all_reduce_coalesced's buffers, kept from call to call
+    survival: Optional[Survival]   # its lost peers (on_peer_loss="raise"), or None
 
 
 def _watched(mpi_comm: MPI.Comm, name: str, timeout: float) -> Tuple[Tracker, int]:
@@ -147,7 +151,8 @@ class Communicator:
         self._objects = Objects(mpi_comm, tracker, checks)
         #: The parts that cupycomm's own modules use, a ``Parts`` (checks, router, tracker and
         #: staging); not a public API.
-        self.parts = Parts(checks, router, tracker, coalesce.Staging())
+        self.parts = Parts(checks, router, tracker, coalesce.Staging(),
+                           survival_for(mpi_comm, tracker))
         if nccl_comm is not None:
             router.init_device(nccl_comm)
         self.debug = debug
@@ -653,10 +658,74 @@ class Communicator:
         raw = router.device.split(color, key) if router.device is not None else None
         if color is None:
             return None
-        return Communicator.create(sub, name=f"{self.name}/{label}", timeout=self.timeout,
-                                   device=router.device_choice, device_module=router.cupy,
-                                   debug=self.debug, device_rank=router.device_rank,
-                                   nccl_comm=raw)
+        child = Communicator.create(sub, name=f"{self.name}/{label}", timeout=self.timeout,
+                                    device=router.device_choice, device_module=router.cupy,
+                                    debug=self.debug, device_rank=router.device_rank,
+                                    nccl_comm=raw)
+        if self.parts.survival is not None:   # shrink() closes it with this one
+            self.parts.survival.children.add(child)
+        return child
+
+    # -- after a peer is lost (init(on_peer_loss="raise"); see cupycomm.survivors) ---------------
+    @property
+    def world_ranks(self) -> Tuple[int, ...]:
+        """The rank in the job's world (``MPI.COMM_WORLD``) of each rank of this communicator,
+        kept by ``shrink()``: after world rank 1 of 4 is lost, ``(0, 2, 3)``."""
+        survival = self.parts.survival
+        return world_ranks(self._mpi) if survival is None else survival.world_ranks
+
+    def failed_ranks(self) -> List[int]:
+        """The world ranks of this communicator known to be lost (sorted): those the survivors
+        agreed on when a call raised PeerLost, and any this rank's MPI noticed since. Always
+        empty in the default mode, where a loss ends the job."""
+        self._checks.check_open("failed_ranks")
+        survival = self.parts.survival
+        return [] if survival is None else survival.failed_ranks()
+
+    def agree(self, flag: bool) -> bool:
+        """The AND of ``flag`` over the ranks (the survivors, after a loss: ULFM's agreement,
+        the same answer on each); collective. Example: ``comm.agree(step_ok)``."""
+        self._checks.check_open("agree")
+        survival = self.parts.survival
+        with self.parts.tracker.inside("agree"):
+            if survival is not None:
+                return survival.agree(flag)
+            return bool(self._mpi.allreduce(bool(flag), op=MPI.LAND))
+
+    def shrink(self) -> "Communicator":
+        """The survivors' communicator, after a PeerLost (host and device; world ranks kept:
+        :attr:`world_ranks`); collective over the survivors. This one, its subgroups and
+        buckets refuse every call from then on (:class:`~cupycomm.errors.CommShrunkError`).
+        Needs ``init(on_peer_loss="raise")``. See :mod:`cupycomm.survivors.shrink`.
+
+        Example (4 ranks, world rank 1 killed)::
+
+            try:
+                comm.all_reduce(x)
+            except cupycomm.PeerLost:
+                comm = comm.shrink()   # comm.size == 3, comm.world_ranks == (0, 2, 3)
+        """
+        self._checks.check_open("shrink")
+        survival = self.parts.survival
+        if survival is None:
+            raise RuntimeError(f"shrink: this communicator ends the job when a peer is lost; "
+                               f"shrink() needs cupycomm.init(on_peer_loss='raise') (rank "
+                               f"{self.rank})")
+        with self.parts.tracker.inside("shrink"):
+            return _shrink(self, survival)
+
+    def _retire(self) -> None:
+        """shrink()'s close: its NCCL communicator aborted, never destroyed (NCCL >= 2.31
+        hangs destroying one after an abortive shrink: pytorch#194679); calls in flight
+        dropped; every later call raises CommShrunkError."""
+        self._checks.shrunk = True
+        device = self._router.device
+        if device is not None:
+            device.abort("the communicator was shrunk after a peer was lost", peer_lost=True)
+        try:
+            self.close()
+        except (PeerLost, MPI.Exception):
+            pass   # its calls in flight failed: the peers they waited for are gone
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -674,6 +743,8 @@ class Communicator:
             tracker.leave()
             if not MPI.Is_finalized():
                 self._objects.close()
+                if self.parts.survival is not None:
+                    self.parts.survival.discard()
                 self._mpi.Free()
 
     def __enter__(self) -> "Communicator":

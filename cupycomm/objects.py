@@ -17,6 +17,7 @@ from mpi4py.util import pkl5
 
 from ._validate import Checks
 from .faults.watchdog import Tracker
+from .survivors.lost import peer_lost
 
 __all__ = ["Objects"]
 
@@ -45,7 +46,11 @@ class Objects:
         tracker.seq += 1
         tracker.flight.calls[tracker.seq % tracker.flight.size] = label
         with tracker.inside(label):
-            return call(self._transport, *args)
+            try:
+                return call(self._transport, *args)
+            except MPI.Exception as error:   # a lost peer: PeerLost where the process survives
+                peer_lost(error, tracker, label, tracker.seq, also=self._transport)
+                raise
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:
         self._checks.check_rank("broadcast_object", "root", root)
