@@ -23,7 +23,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "Communicator", "ReduceOp", "Work", "DTYPES", "DEFAULT_TIMEOUT",
-    "CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch", "NcclError", "PeerLost",
+    "CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch", "NcclError",
+    "PeerLost",
     "devices", "prefetch",
 ]
 
