@@ -663,7 +663,7 @@ class Communicator:
                                     debug=self.debug, device_rank=router.device_rank,
                                     nccl_comm=raw)
         if self.parts.survival is not None:   # shrink() closes it with this one
-            self.parts.survival.children.add(child)
+            self.parts.survival.adopt(child)
         return child
 
     # -- after a peer is lost (init(on_peer_loss="raise"); see cupycomm.survivors) ---------------

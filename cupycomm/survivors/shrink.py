@@ -48,9 +48,9 @@ def shrink(comm: "Communicator", survival: "Survival") -> "Communicator":
 
 def retire(comm: "Communicator", survival: "Survival") -> None:
     """Close ``comm`` and its subgroups for good, their NCCL communicators aborted."""
-    for child in list(survival.children):
+    for child in survival.children():
         child_survival = child.parts.survival
-        if child_survival is not None and not child.closed:
+        if child_survival is not None:
             retire(child, child_survival)
     survival.discard()
     survival.revoke()
