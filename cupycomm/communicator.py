@@ -37,21 +37,20 @@ it does (``tests/backends/test_prepared.py``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
 from . import _bootstrap, _env, coalesce
 from .faults import debug as _debug
+from ._comm_parts import Parts, watched
 from ._dispatch import Router
 from ._dtypes import ReduceOp
 from ._layouts import Layouts
 from ._parts import JoinedShapes, PartShapes
 from ._validate import Checks
-from .faults.board import NodeBoard
-from .faults.heartbeat import Heartbeats
-from .faults.watchdog import Tracker, unwatch, watch
+from .faults.watchdog import Tracker, unwatch
 from .batch import Batch
 from .backends.mpi import PreparedCalls
 from .objects import Objects
@@ -66,34 +65,6 @@ Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment v
 Op = Union[ReduceOp, str]
 _SUM = "sum"
 _HOST = np.ndarray   # arrays of exactly this type may take the prepared calls (see above)
-
-
-class Parts(NamedTuple):
-    """The parts of a :class:`Communicator` that cupycomm's own modules use (``coalesce``,
-    ``faults.debug``); not a public API."""
-
-    checks: Checks            # argument checks, the closed state and the open batch() block
-    router: Router            # the backends (host, device) and which one takes an array
-    tracker: Tracker          # the watchdog's view: calls counted, the call in progress
-    staging: coalesce.Staging   # all_reduce_coalesced's buffers, kept from call to call
-
-
-def _watched(mpi_comm: MPI.Comm, name: str, timeout: float) -> Tuple[Tracker, int]:
-    """(the watchdog's tracker for a communicator over ``mpi_comm``, this rank's local rank).
-
-    Collective: the ranks find those of their node, which open the node's board, and the
-    node leaders connect their heartbeats across nodes (with more than one rank); then the
-    watchdog looks at the tracker, its thread started by the first communicator."""
-    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-    node = _bootstrap.node_comm(mpi_comm)
-    board = NodeBoard(node, rank, mpi_comm) if size > 1 else None
-    beats = Heartbeats.connect(mpi_comm, node, board, name) if board is not None else None
-    local_rank = node.Get_rank()
-    node.Free()
-    tracker = Tracker(name, rank, size, timeout, board, beats)
-    if size > 1:
-        watch(tracker)
-    return tracker, local_rank
 
 
 class Communicator:
@@ -118,7 +89,7 @@ class Communicator:
                **options: Any) -> "Communicator":
         """A communicator over ``mpi_comm`` (which it owns from now on: it frees it on close),
         watched by the watchdog; collective. ``options`` are the constructor's."""
-        tracker, local_rank = _watched(mpi_comm, name, timeout)
+        tracker, local_rank = watched(mpi_comm, name, timeout)
         return cls(mpi_comm, tracker, local_rank, **options)
 
     def __init__(self, mpi_comm: MPI.Comm, tracker: Tracker, local_rank: int, *,
