@@ -42,7 +42,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
-from . import _bootstrap, _env, coalesce
+from . import _bootstrap, _env, _subgroups, coalesce
 from .faults import debug as _debug
 from ._comm_parts import Parts, watched
 from ._dispatch import Router
@@ -599,10 +599,7 @@ class Communicator:
             half = comm.split(comm.rank % 2)    # ranks 0, 2 and ranks 1, 3
             half.rank, half.size                # Rank 0: (0, 2)  Rank 1: (0, 2)  Rank 2: (1, 2)
         """
-        self._checks.check_open("split")
-        self._checks.check_split(color, key)
-        return self._subgroup(None if color is None else int(color),
-                              self.rank if key is None else int(key), f"split({color})")
+        return _subgroups.split(self, color, key)
 
     def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
         """A communicator of ``ranks`` (ordered by rank), None on the other ranks. Collective:
@@ -612,22 +609,7 @@ class Communicator:
 
             group = comm.new_group([0, 2])   # Rank 0: rank 0 of 2   Rank 1: None   Rank 2: 1 of 2
         """
-        self._checks.check_open("new_group")
-        ordered = self._checks.check_members(ranks)
-        mine = self.rank in ordered
-        return self._subgroup(0 if mine else None, ordered.index(self.rank) if mine else 0,
-                              f"group{ordered}")
-
-    def _subgroup(self, color: Optional[int], key: int, label: str) -> Optional["Communicator"]:
-        router = self._router
-        sub = self._mpi.Split(MPI.UNDEFINED if color is None else color, key)
-        raw = router.device.split(color, key) if router.device is not None else None
-        if color is None:
-            return None
-        return Communicator.create(sub, name=f"{self.name}/{label}", timeout=self.timeout,
-                                   device=router.device_choice, device_module=router.cupy,
-                                   debug=self.debug, device_rank=router.device_rank,
-                                   nccl_comm=raw)
+        return _subgroups.new_group(self, ranks)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
