@@ -36,8 +36,7 @@ it does (``tests/backends/test_prepared.py``).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, List, Optional, Sequence, Union
+from typing import Any, ContextManager, List, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -51,7 +50,7 @@ from ._layouts import Layouts
 from ._parts import JoinedShapes, PartShapes
 from ._validate import Checks
 from .faults.watchdog import Tracker, unwatch
-from .batch import Batch
+from .batch import Batch, block
 from .backends.mpi import PreparedCalls
 from .objects import Objects
 from .work import Work
@@ -490,8 +489,7 @@ class Communicator:
         """``recv(buf, src, async_op=True)``: a Work whose ``wait()`` returns ``buf``."""
         return self.recv(buf, src, async_op=True, stream=stream)
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[Batch]:
+    def batch(self) -> ContextManager[Batch]:
         """Issue the calls inside the block together; they complete when it ends.
 
         Each call is checked as it is made and queued. At the end of the block, on the host
@@ -509,26 +507,7 @@ class Communicator:
                 comm.isend(mine, right)
             # from_left now holds the left neighbour's array: Rank 0: [2, 2]  Rank 1: [0, 0]
         """
-        checks, router = self._checks, self._router
-        checks.check_open("batch")
-        if checks.batch is not None:
-            raise checks.fail(RuntimeError, "batch", "batch() blocks do not nest")
-        group = Batch(self.rank)
-        backends = [b for b in (router.host, router.device) if b is not None]
-        for backend in backends:
-            backend.begin_group(group)
-        checks.batch = group
-        self._prepared.disable()   # every call inside is queued by the general path
-        cancel = True   # unless the block ends without an exception
-        try:
-            yield group
-            cancel = False
-        finally:
-            checks.batch = None
-            if not checks.closed:
-                self._prepared.enable()
-            for backend in backends:
-                backend.end_group(group, cancel)
+        return block(self._checks, self._router, self._prepared)
 
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
         """Wait until every rank has called barrier (host processes, not CUDA streams: finish
