@@ -26,8 +26,9 @@ Semantics shared by every method (documented here once):
   broadcasts and is gathered into shape ``(size,)``; it has no leading axis to split.
 
 How a call runs (for contributors; docs/internals.md has the whole story): the Communicator
-is a façade over its parts (``Parts``; ``_validate``, ``_dispatch``, ``_layouts``,
-``objects``). A call on NumPy arrays that passes the common-case test at the top of its
+is a façade over its parts (``_comm_parts.Parts``; ``_validate``, ``_dispatch``,
+``_layouts``, ``objects``), with subgroups in ``_subgroups`` and the ``batch()`` block in
+``batch``. A call on NumPy arrays that passes the common-case test at the top of its
 method runs the host backend's prepared call (``backends.mpi.PreparedCalls``; its tables
 ``_blocking`` and ``_started``), looked up inline: a shared helper would cost every call a
 frame. Anything else takes the general path (``Router.route``, the checks, the backend's
