@@ -4,7 +4,9 @@ parent has an NCCL communicator). It reads the parent's public attributes and ``
 
 Example (4 ranks)::
 
-    half = split(comm, comm.rank % 2, None)   # what comm.split(comm.rank % 2) returns
+    from cupycomm import _subgroups
+    half = _subgroups.split(comm, comm.rank % 2, None)   # as comm.split(comm.rank % 2)
+    assert (half.rank, half.size) == (comm.rank // 2, 2)
 """
 from __future__ import annotations
 
