@@ -16,7 +16,7 @@ from cupycomm.faults import flight
 from cupycomm.faults.board import RANK
 from cupycomm.run.launchers import find
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
-from test_scenarios import HYDRA_OWN_FAILURE
+from fault_jobs import HYDRA_OWN_FAILURE
 
 TESTS = Path(__file__).resolve().parents[1]
 

@@ -8,34 +8,14 @@ MPI's) ``-disable-auto-cleanup``: the watchdog, not the launcher, must end them.
 behaves otherwise, the test says what each does.
 """
 import re
-from pathlib import Path
 
 import pytest
-from mpi4py import MPI
 
-from cupycomm.run import launchers
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
+from fault_jobs import (BOUND, HYDRA_OWN_FAILURE, LAUNCHER, LIBRARY, SCENARIO, ended_quickly,
+                        no_rank_finished, run)
 
 pytestmark = pytest.mark.mpi(max_size=1)
-
-SCENARIO = str(Path(__file__).resolve().parent / "scenario.py")
-BOUND = 10.0   # seconds within which every fault must end the job
-LAUNCHER = launchers.find().kind
-LIBRARY = launchers.library_kind(MPI.Get_library_version())
-
-
-def run(name, n=3, timeout=60):
-    return run_mpiexec(n, SCENARIO, name, timeout=timeout, mpiexec_args=no_auto_cleanup())
-
-
-def ended_quickly(job, bound=BOUND):
-    assert not job.timed_out, f"the job hung:\n{job.output}"
-    assert job.elapsed < bound, f"took {job.elapsed:.1f} s:\n{job.output}"
-
-
-def no_rank_finished(job):
-    assert "finished with" not in job.output, f"a rank went on as if nothing happened:\n" \
-                                              f"{job.output}"
 
 
 def test_an_exception_on_one_rank_aborts_the_job_with_its_traceback():
@@ -171,7 +151,6 @@ def test_a_dead_peer_ends_a_device_wait_with_peer_lost():
 NODE_BOUND = 15.0   # seconds within which a whole node's failure must end the job
 HEARTBEAT = 3.0     # CUPYCOMM_HEARTBEAT_TIMEOUT here (5 s by default: time_to_exit.py)
 COLLECTIVE = "waits in all_reduce #"
-HYDRA_OWN_FAILURE = "unable to send SIGUSR1 downstream"
 NODE1_SILENT = "node node1 (ranks [1, 2]) of communicator world has sent no heartbeat"
 CUPYCOMM_NAMES = {   # scenario: (ranks per node, what cupycomm's message says of the culprit)
     "os-exit-0": ((2, 1), ["node node1 (ranks [2]) of communicator world has sent no "
