@@ -1,6 +1,7 @@
-"""Running a fault scenario of tests/faults/scenario.py as a job of its own, with a hard
-bound, and judging how it ended: what the fault tests (test_abort.py, test_timeouts.py,
-test_mismatches.py, test_heartbeat.py) share.
+"""What the fault tests share: running a scenario of tests/faults/scenario.py as a job of
+its own, with a hard bound, and judging how it ended (test_abort.py, test_timeouts.py,
+test_mismatches.py, test_heartbeat.py); each rank's node (test_nodes.py, test_board.py,
+test_heartbeat.py).
 
 Example::
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from cupycomm import _bootstrap
 from cupycomm.run import launchers
 from cupycomm.testing import no_auto_cleanup, run_mpiexec
 
@@ -33,6 +35,11 @@ def ended_quickly(job, bound=BOUND):
 def no_rank_finished(job):
     assert "finished with" not in job.output, f"a rank went on as if nothing happened:\n" \
                                               f"{job.output}"
+
+
+def nodes_of(comm):
+    """Each rank's node name, as every rank sees it."""
+    return comm.all_gather_object(_bootstrap.node_name())
 
 
 # hydra's own failure after every rank finished (docs/guide/faults-and-timeouts.md)
