@@ -3,6 +3,12 @@ its own, with a hard bound, and judging how it ended (test_abort.py, test_timeou
 test_mismatches.py, test_heartbeat.py); each rank's node (test_nodes.py, test_board.py,
 test_heartbeat.py).
 
+Each scenario runs under its own mpiexec, with a hard bound. The tests that start such jobs
+run in the single-process pass of the suite (mpiexec does not nest inside an mpiexec run)
+and skip under mpiexec on every rank. The jobs run as docs/guide/faults-and-timeouts.md
+recommends, with hydra's (MPICH's, Intel MPI's) ``-disable-auto-cleanup``: the watchdog,
+not the launcher, must end them.
+
 Example::
 
     job = run("raise-before-collective")

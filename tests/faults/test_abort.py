@@ -2,12 +2,7 @@
 device wait end the whole job quickly, non-zero, saying which rank and why (the abort
 handler and the watchdog's naming of the departed, cupycomm/faults/abort.py).
 
-Each scenario of tests/faults/scenario.py runs under its own mpiexec, with a hard bound
-(tests/faults/fault_jobs.py). These tests start mpiexec jobs of their own, so they run in
-the single-process pass of the suite (mpiexec does not nest inside an mpiexec run) and skip
-under mpiexec on every rank. The jobs run as docs/guide/faults-and-timeouts.md recommends,
-with hydra's (MPICH's, Intel MPI's) ``-disable-auto-cleanup``: the watchdog, not the
-launcher, must end them. Where an MPI behaves otherwise, the test says what each does.
+Each scenario runs as a job of its own (tests/faults/fault_jobs.py says how).
 """
 import pytest
 
