@@ -34,7 +34,7 @@ import sys
 from typing import List, Optional
 
 from .. import _bootstrap, _env
-from ..faults import private
+from .. import _private as private
 
 __all__ = ["start", "record", "read", "read_strays", "RUNNING", "ENDED", "RAISED", "ABORTED"]
 
