@@ -12,10 +12,12 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
+from .errors import LocalRankWarning
+
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["world", "node_comm", "node_name", "check_launch", "LocalRankWarning", "choose_device",
+__all__ = ["world", "node_comm", "node_name", "check_launch", "choose_device",
            "import_cupy", "broadcast_unique_id", "track_for_exit", "describe_rank", "exiting"]
 
 
@@ -54,10 +56,6 @@ _SIZE_SAID_BY: Dict[str, str] = {
 }
 _LOCAL_RANK_SAID_BY = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 _local_rank_checked = False
-
-
-class LocalRankWarning(RuntimeWarning):
-    """The MPI library and the launcher disagree about a rank's place on its node."""
 
 
 def _said(environ: Mapping[str, str], names: Tuple[str, ...]) -> Dict[str, int]:
