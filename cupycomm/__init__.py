@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, List
 
-from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, NcclError,
-                     PeerLost)
+from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, LocalRankWarning,
+                     NcclError, PeerLost)
 
 if TYPE_CHECKING:
     from . import devices
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Communicator", "ReduceOp", "Work", "DTYPES", "DEFAULT_TIMEOUT",
     "CommClosedError", "CollectiveTimeout", "CollectiveMismatch", "NcclError", "PeerLost",
-    "devices", "prefetch",
+    "LocalRankWarning", "devices", "prefetch",
 ]
 
 # The module of each name imported at its first use. Importing mpi4py.MPI starts MPI, and the
