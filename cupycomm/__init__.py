@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, List
 
 from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, CommShrunkError,
+                     LocalRankWarning,
                      NcclError, PeerLost)
 
 if TYPE_CHECKING:
@@ -24,8 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Communicator", "ReduceOp", "Work", "DTYPES", "DEFAULT_TIMEOUT",
     "CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch", "NcclError",
-    "PeerLost",
-    "devices", "prefetch",
+    "PeerLost", "LocalRankWarning", "devices", "prefetch",
 ]
 
 # The module of each name imported at its first use. Importing mpi4py.MPI starts MPI, and the
