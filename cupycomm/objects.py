@@ -17,7 +17,7 @@ from mpi4py.util import pkl5
 
 from ._validate import Checks
 from .faults.watchdog import Tracker
-from .survivors.lost import peer_lost
+from .survivors.lost import attach, peer_lost
 
 __all__ = ["Objects"]
 
@@ -40,16 +40,17 @@ class Objects:
 
     def _run(self, label: str, call: Callable, *args: Any) -> Any:
         self._checks.check_open(label)
+        tracker = self._tracker
         if self._transport is None:
             self._transport = pkl5.Intracomm(self._mpi.Dup())
-        tracker = self._tracker
+            attach(tracker, self._transport)   # a lost peer revokes it with the communicator
         tracker.seq += 1
         tracker.flight.calls[tracker.seq % tracker.flight.size] = label
         with tracker.inside(label):
             try:
                 return call(self._transport, *args)
             except MPI.Exception as error:   # a lost peer: PeerLost where the process survives
-                peer_lost(error, tracker, label, tracker.seq, also=self._transport)
+                peer_lost(error, tracker, label, tracker.seq)
                 raise
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:

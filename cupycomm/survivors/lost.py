@@ -19,14 +19,14 @@ Example (what a host call does)::
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
 if TYPE_CHECKING:
     from .state import Survival
 
-__all__ = ["peer_lost", "enlist", "FAILURES"]
+__all__ = ["peer_lost", "enlist", "attach", "FAILURES"]
 
 #: The error classes of ULFM that say a peer is lost (the call saw it fail; a nonblocking
 #: receive from any source cannot know; another survivor revoked the communicator).
@@ -44,16 +44,22 @@ def enlist(tracker: Any, survival: "Survival") -> None:
     _BY_TRACKER[tracker] = survival
 
 
-def peer_lost(error: BaseException, tracker: Any, label: str, seq: int,
-              also: Optional[MPI.Comm] = None) -> None:
+def attach(tracker: Any, mpi_comm: MPI.Comm) -> None:
+    """``mpi_comm`` (the object collectives' duplicate) belongs to the communicator of
+    ``tracker``: a loss revokes it too, so that no survivor stays blocked in it."""
+    survival = _BY_TRACKER.get(tracker)
+    if survival is not None:
+        survival.attach(mpi_comm)
+
+
+def peer_lost(error: BaseException, tracker: Any, label: str, seq: int) -> None:
     """Raise PeerLost (from ``error``) where ``error`` says that a peer of the communicator of
     ``tracker`` is gone and it survives losses; else return. ``label`` names the call (or
-    "call #seq", a Work's), ``seq`` its number; ``also``: another communicator of it to
-    revoke (the object collectives' duplicate)."""
+    "call #seq", a Work's), ``seq`` its number."""
     survival = _BY_TRACKER.get(tracker)
     if survival is None or not isinstance(error, MPI.Exception):
         return
     if error.Get_error_class() not in FAILURES:
         return
     call, _, number = label.partition(" #")
-    raise survival.lose(call, int(number) if number.isdigit() else seq, also) from error
+    raise survival.lose(call, int(number) if number.isdigit() else seq) from error

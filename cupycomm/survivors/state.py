@@ -61,6 +61,7 @@ class Survival:
         self.lost: Optional[Tuple[int, ...]] = None   # world ranks, once a loss was seen
         self._successor: Optional[MPI.Comm] = None    # the survivors, shrunk at that loss
         self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()   # split from this one
+        self._attached: List[MPI.Comm] = []   # revoked with it (see attach)
 
     def adopt(self, child: Any) -> None:
         """``child``, a communicator split from this one, is retired with it by shrink()."""
@@ -70,13 +71,18 @@ class Survival:
         """The open communicators split from this one."""
         return [child for child in self._children if not child.closed]
 
-    def lose(self, call: str, seq: int, also: Optional[MPI.Comm] = None) -> PeerLost:
+    def attach(self, mpi_comm: MPI.Comm) -> None:
+        """Revoke ``mpi_comm`` too on a loss (the object collectives' duplicate)."""
+        self._attached.append(mpi_comm)
+
+    def lose(self, call: str, seq: int) -> PeerLost:
         """The PeerLost of ``call`` #``seq``, after (the first time) revoking the
-        communicator (and ``also``) and shrinking it to the survivors: collective over them."""
+        communicator (and those attached) and shrinking it to the survivors: collective over
+        them."""
         lost = self.lost
         if lost is None:
-            for comm in (self._mpi, also):
-                if comm is not None and not comm.Is_revoked():
+            for comm in (self._mpi, *self._attached):
+                if not comm.Is_revoked():
                     comm.Revoke()
             self._successor = self._mpi.Shrink()
             lost = self._note_lost(self._successor)

@@ -14,6 +14,7 @@ bucket) does then; it writes what it saw, one JSON object per round, to
   second collective;
 - ``during``: SIGKILL while the victim waits inside the second collective (rank 0 comes late);
 - ``two``: rank 3 lost, shrink to 3, then world rank 1, shrink to 2;
+- ``objects``: as ``sigkill``, the survivors in all_gather_object (pickled objects);
 - ``no-shrink``: as ``sigkill``, but the survivors end after PeerLost without going on;
 - ``device``: as ``sigkill``, with device arrays on the NCCL stand-in
   (cupycomm.testing.standin): the NCCL communicator is aborted, not destroyed, and the
@@ -60,9 +61,10 @@ def survive(comm, case, directory, victim, xp):
     me = comm.world_ranks[comm.rank]
     sub = comm.split(comm.rank % 2)     # made before the loss: refused after the shrink
     bucket = comm.bucket([np.ones(3)])
+    comm.all_gather_object(me)          # the object collectives' duplicate exists: retired too
     x = np.full(4, me + 1.0)   # host arrays: the device case's loss is seen by MPI
     if me == victim and case != "during":
-        fault(case, directory)
+        fault("sigkill" if case == "objects" else case, directory)
     elif me == victim:
         threading.Timer(0.3, fault, (case, directory)).start()   # inside the collective
     elif case == "during" and comm.rank == 0:
@@ -70,7 +72,7 @@ def survive(comm, case, directory, victim, xp):
     seen = {}
     progress(directory, f"all_reduce, victim {victim}")
     try:
-        comm.all_reduce(x)
+        comm.all_gather_object(me) if case == "objects" else comm.all_reduce(x)
         seen["raised"] = None
     except cupycomm.PeerLost as lost:
         seen.update(raised="PeerLost", ranks=list(lost.ranks), call=lost.call, seq=lost.seq)

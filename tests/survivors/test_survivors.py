@@ -46,23 +46,23 @@ def records(tmp_path, survivors, job):
     return found
 
 
-def check_round(seen, victim, members, job):
+def check_round(seen, victim, members, job, call="all_reduce"):
     """Every survivor's view of one round, against what the victim and the survivors
-    (``members``: world ranks) imply."""
+    (``members``: world ranks) imply; ``call``: the collective the loss broke."""
     expected = np.sum([np.full(4, r + 1.0) for r in members], axis=0)
     seqs = {s["seq"] for s in seen.values()}
     assert len(seqs) == 1 and seqs.pop() >= 1, job.output
     for rank, s in seen.items():
         assert s["raised"] == "PeerLost", (rank, s, job.output)
-        assert s["ranks"] == [victim] and s["call"] == "all_reduce", (rank, s)
+        assert s["ranks"] == [victim] and s["call"] == call, (rank, s)
         assert s["failed_ranks"] == [victim], (rank, s)
         assert s["agree_true"] is True and s["agree_mixed"] is False, (rank, s)
         assert s["size"] == len(members) and s["world_ranks"] == members, (rank, s)
         assert s["rank"] == members.index(rank), (rank, s)
         np.testing.assert_array_equal(s["result"], expected)
-        for call, refusal in s["refused"].items():
+        for refused, refusal in s["refused"].items():
             assert refusal is not None and refusal.startswith("CommShrunkError: ") \
-                and "shrunk after a peer was lost" in refusal, (rank, call, refusal)
+                and "shrunk after a peer was lost" in refusal, (rank, refused, refusal)
         assert s["fault_to_good"] < BOUND, (rank, s)
 
 
@@ -75,6 +75,14 @@ def test_every_survivor_raises_peer_lost_shrinks_and_goes_on(case, tmp_path):
     job = run_case(case, tmp_path)
     found = records(tmp_path, (0, 2, 3), job)
     check_round({rank: rounds[0] for rank, rounds in found.items()}, 1, [0, 2, 3], job)
+
+
+@needs_ulfm
+def test_a_loss_in_an_object_collective_is_peer_lost_too(tmp_path):
+    job = run_case("objects", tmp_path)
+    found = records(tmp_path, (0, 2, 3), job)
+    check_round({rank: rounds[0] for rank, rounds in found.items()}, 1, [0, 2, 3], job,
+                call="all_gather_object")
 
 
 @needs_ulfm
