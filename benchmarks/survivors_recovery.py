@@ -24,7 +24,7 @@ from cupycomm.survivors import policy
 from cupycomm.testing import run_mpiexec
 
 SCENARIO = str(Path(__file__).resolve().parent.parent / "tests" / "survivors" / "scenario.py")
-CASES = ("sigkill", "exit0", "exit3", "abort", "during", "two", "device")
+CASES = ("sigkill", "exit0", "exit3", "abort", "during", "objects", "two", "device")
 SURVIVORS = {"two": (0, 2)}
 
 
