@@ -4,8 +4,10 @@ side by side rather than across runs on a noisy machine.
 
 Each version's package is copied under its own name (``cupycomm_before``, ``cupycomm_after``;
 the call path imports itself relatively), both make a communicator over ``COMM_SELF``, and
-each row times the raw call, then the two versions' calls, ``--rounds`` times. Figures: the
-best round in µs per call, and what each version adds over the raw call::
+each row times the raw call, then the two versions' calls, ``--rounds`` times. The device
+rows run each version's NCCL backend on its own stand-in with CUDA and NCCL at no cost
+(``callpath.ZeroCost``; raw: the no-op NCCL call). Figures: the best round in µs per call,
+and what each version adds over the raw call::
 
     python benchmarks/callpath_ab.py --before bf4ed34              # that commit vs the tree
     python benchmarks/callpath_ab.py --before main --after HEAD --rounds 50
@@ -21,9 +23,14 @@ import subprocess
 import sys
 import tempfile
 import timeit
+from typing import Any, Callable
+
+from types import SimpleNamespace
 
 import numpy as np
 from mpi4py import MPI
+
+from callpath import ZeroCost
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -61,6 +68,51 @@ def _rows(x: np.ndarray, out: np.ndarray) -> dict:
     }
 
 
+def _device_rows(versions: dict) -> tuple:
+    """(rows as ``_rows`` gives them, each version's communicator): over ``COMM_SELF`` on the
+    version's own stand-in, its CUDA and NCCL calls made no-ops."""
+    comms, arrays, zero = {}, {}, ZeroCost()
+    for v, module in versions.items():
+        standin = importlib.import_module(f"{module.__name__}.testing.standin")
+
+        class Array(standin.ndarray):   # CuPy's cost of data and device (see callpath.py)
+            data = device = None
+
+        comm = comms[v] = module.init(MPI.COMM_SELF, device_module=standin)
+        zero.install(comm.init_device())
+        x = arrays[comm] = standin.zeros(2, np.float32).view(Array)
+        x.data = SimpleNamespace(ptr=x.__array_interface__["data"][0])
+        x.device = SimpleNamespace(id=0)
+    nccl, stream, ptr = zero.nccl, zero.stream, x.data.ptr
+
+    def blocking(m: Any) -> Callable[[], Any]:
+        x = arrays[m]
+        return lambda: m.all_reduce(x)
+
+    def started(m: Any) -> Callable[[], Any]:
+        x = arrays[m]
+        return lambda: m.all_reduce(x, async_op=True).wait()
+
+    raw = lambda: nccl.allReduce(ptr, ptr, 2, 7, 0, stream.ptr)  # noqa: E731
+    return {"device all_reduce (stand-in, general path)": (raw, blocking),
+            "device all_reduce async + wait (stand-in)": (raw, started)}, comms
+
+
+def _table(rows: dict, comms: dict, number: int, rounds: int) -> None:
+    for name, (raw, make) in rows.items():
+        calls = {"raw": raw, **{v: make(comm) for v, comm in comms.items()}}
+        times: dict = {k: [] for k in calls}
+        for _ in range(rounds):
+            for k, call in calls.items():
+                times[k].append(timeit.timeit(call, number=number) / number * 1e6)
+        best = {k: min(v) for k, v in times.items()}
+        median = {k: statistics.median(v) for k, v in times.items()}
+        over = {v: best[v] - best["raw"] for v in comms}
+        print(f"| {name} | " + " | ".join(f"{best[k]:.3f} ({median[k]:.3f})" for k in calls)
+              + f" | +{over['before']:.3f} -> +{over['after']:.3f} | "
+              f"{best['after'] / best['before']:.3f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="a git revision")
@@ -80,19 +132,12 @@ def main() -> None:
         print("| call | raw | before | after | + over raw: before -> after | ratio |")
         print("|---|---|---|---|---|---|")
         x, out = np.zeros(2, np.float32), np.zeros(2, np.float32)
-        for name, (raw, make) in _rows(x, out).items():
-            calls = {"raw": raw, **{v: make(comm) for v, comm in comms.items()}}
-            times: dict = {k: [] for k in calls}
-            for _ in range(args.rounds):
-                for k, call in calls.items():
-                    times[k].append(timeit.timeit(call, number=args.number) / args.number * 1e6)
-            best = {k: min(v) for k, v in times.items()}
-            median = {k: statistics.median(v) for k, v in times.items()}
-            over = {v: best[v] - best["raw"] for v in comms}
-            print(f"| {name} | " + " | ".join(f"{best[k]:.3f} ({median[k]:.3f})" for k in calls)
-                  + f" | +{over['before']:.3f} -> +{over['after']:.3f} | "
-                  f"{best['after'] / best['before']:.3f} |", flush=True)
-        for comm in comms.values():
+        _table(_rows(x, out), comms, args.number, args.rounds)
+        device_rows, device_comms = _device_rows(versions)
+        _table(device_rows, device_comms, args.number, args.rounds)
+        for comm in device_comms.values():
+            comm.parts.router.device = None   # its CUDA objects are no-ops: nothing to free
+        for comm in (*comms.values(), *device_comms.values()):
             comm.close()
 
 

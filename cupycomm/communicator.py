@@ -27,11 +27,12 @@ Semantics shared by every method (documented here once):
 
 How a call runs (for contributors; docs/internals.md has the whole story): the Communicator
 is a façade over its parts (``_comm_parts.Parts``; ``_validate``, ``_dispatch``,
-``_layouts``, ``objects``), with subgroups in ``_subgroups`` and the ``batch()`` block in
-``batch``. A call on NumPy arrays that passes the common-case test at the top of its
-method runs the host backend's prepared call (``backends.mpi.PreparedCalls``; its tables
-``_blocking`` and ``_started``), looked up inline: a shared helper would cost every call a
-frame. Anything else takes the general path (``Router.route``, the checks, the backend's
+``_general``, ``_layouts``, ``objects``), with subgroups in ``_subgroups`` and the
+``batch()`` block in ``batch``. A call on NumPy arrays that passes the common-case test at
+the top of its method runs the host backend's prepared call (``backends.mpi.PreparedCalls``;
+its tables ``_blocking`` and ``_started``), looked up inline: a shared helper would cost
+every such call a frame. Anything else ends the method with ``self._general.<call>(...)``,
+the general path (``_general.GeneralPath``: ``Router.route``, the checks, the backend's
 methods), which makes every check and raises the errors; the fast path rejects exactly what
 it does (``tests/backends/test_prepared.py``).
 """
@@ -47,6 +48,7 @@ from .faults import debug as _debug
 from ._comm_parts import Parts, watched
 from ._dispatch import Router
 from ._dtypes import ReduceOp
+from ._general import GeneralPath
 from ._layouts import Layouts
 from ._parts import JoinedShapes, PartShapes
 from ._validate import Checks
@@ -111,12 +113,11 @@ class Communicator:
         self._router = router = Router(mpi_comm, tracker, checks, device,
                                        local_rank if device_rank is None else device_rank,
                                        device_module)
-        self._route = router.route
         self._prepared = PreparedCalls(router.host)
         self._blocking, self._started = self._prepared.blocking, self._prepared.started
-        self._joined = JoinedShapes(self.size)
+        self._joined = joined = JoinedShapes(self.size)
         self._part_shapes = PartShapes(self.size)
-        self._layouts = Layouts(checks, router, self._joined)
+        self._general = GeneralPath(checks, router, Layouts(checks, router, joined), joined)
         self._objects = Objects(mpi_comm, tracker, checks)
         #: The parts that cupycomm's own modules use, a ``Parts`` (checks, router, tracker and
         #: staging); not a public API.
@@ -206,12 +207,7 @@ class Communicator:
                 run = self._prepared.find("all_reduce", x.dtype, op, async_op)
             if run is not None:
                 return run(x, x if out is None else out)
-        b, x, wire = self._route("all_reduce", "x", x, op, writes=out is None, stream=stream)
-        if out is None:
-            out = x
-        else:
-            out = self._router.check_out("all_reduce", "out", b, out, x, (x.shape,))
-        return b.all_reduce(x, out, wire, async_op, stream)
+        return self._general.all_reduce(x, op, out, async_op, stream)
 
     def reduce(self, x: Any, root: int = 0, *, op: Op = _SUM, out: Any = None,
                async_op: bool = False, stream: Any = None) -> Any:
@@ -235,15 +231,7 @@ class Communicator:
                 run = self._prepared.find("reduce", x.dtype, op, async_op)
             if run is not None:
                 return run(x, (x if out is None else out) if root == self.rank else None, root)
-        b, x, wire = self._route("reduce", "x", x, op, writes=out is None, stream=stream)
-        self._checks.check_rank("reduce", "root", root)
-        if out is not None:   # checked wherever given, so that every rank fails alike
-            out = self._router.check_out("reduce", "out", b, out, x, (x.shape,))
-        if self.rank != root:
-            out = None
-        elif out is None:
-            out = x
-        return b.reduce(x, out, wire, root, async_op, stream)
+        return self._general.reduce(x, root, op, out, async_op, stream)
 
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,
                   stream: Any = None) -> Any:
@@ -262,9 +250,7 @@ class Communicator:
                 run = self._prepared.find("broadcast", x.dtype, None, async_op)
             if run is not None:
                 return run(x, root)
-        b, x, wire = self._route("broadcast", "x", x, writes=True, stream=stream)
-        self._checks.check_rank("broadcast", "root", root)
-        return b.broadcast(x, wire, root, async_op, stream)
+        return self._general.broadcast(x, root, async_op, stream)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
                    stream: Any = None) -> Any:
@@ -288,15 +274,7 @@ class Communicator:
             if run is not None:
                 return run(x, np.empty(self._joined[x.shape][0], x.dtype) if out is None
                            else out)
-        b, x, wire = self._route("all_gather", "x", x, stream=stream)
-        shapes = self._joined[x.shape]
-        if out is None:
-            return b.all_gather(x, b.empty(shapes[0], x.dtype, stream), wire, async_op, stream)
-        if type(out) is not type(x) and isinstance(out, (list, tuple)):
-            return self._layouts.all_gather_list(b, x, wire, out, async_op, stream)
-        out = self._router.check_out("all_gather", "out", b, out, x, shapes,
-                              " (size parts shaped like x)")
-        return b.all_gather(x, out, wire, async_op, stream)
+        return self._general.all_gather(x, out, async_op, stream)
 
     def reduce_scatter(self, x: Any, *, op: Op = _SUM, out: Any = None,
                        async_op: bool = False, stream: Any = None) -> Any:
@@ -321,17 +299,7 @@ class Communicator:
                 run = self._prepared.find("reduce_scatter", x.dtype, op, async_op)
             if run is not None:
                 return run(x, np.empty(part, x.dtype) if out is None else out)
-        if isinstance(x, (list, tuple)):
-            return self._layouts.reduce_scatter_list(x, op, out, async_op, stream)
-        b, x, wire = self._route("reduce_scatter", "x", x, op, stream=stream)
-        self._checks.check_leading_axis("reduce_scatter", "x", x)
-        part = (x.shape[0] // self.size,) + x.shape[1:]
-        if out is None:
-            out = b.empty(part, x.dtype, stream)
-        else:
-            shapes = (part, x.shape[1:]) if x.shape[0] == self.size else (part,)
-            out = self._router.check_out("reduce_scatter", "out", b, out, x, shapes)
-        return b.reduce_scatter(x, out, wire, async_op, stream)
+        return self._general.reduce_scatter(x, op, out, async_op, stream)
 
     def all_to_all(self, x: Any, *, out: Any = None, in_splits: Optional[Sequence[int]] = None,
                    out_splits: Optional[Sequence[int]] = None, async_op: bool = False,
@@ -361,15 +329,7 @@ class Communicator:
                 run = self._prepared.find("all_to_all", x.dtype, None, async_op)
             if run is not None:
                 return run(x, np.empty(x.shape, x.dtype) if out is None else out)
-        b, x, wire = self._route("all_to_all", "x", x, stream=stream)
-        if in_splits is None and out_splits is None:
-            self._checks.check_leading_axis("all_to_all", "x", x)
-            if out is None:
-                out = b.empty(x.shape, x.dtype, stream)
-            else:
-                out = self._router.check_out("all_to_all", "out", b, out, x, (x.shape,))
-            return b.all_to_all(x, out, wire, async_op, stream)
-        return self._layouts.all_to_all_v(b, x, wire, out, in_splits, out_splits, async_op, stream)
+        return self._general.all_to_all(x, out, in_splits, out_splits, async_op, stream)
 
     def scatter(self, x: Any, root: int = 0, *, out: Any, async_op: bool = False,
                 stream: Any = None) -> Any:
@@ -396,12 +356,7 @@ class Communicator:
                 run = self._prepared.find("scatter", out.dtype, None, async_op)
             if run is not None:
                 return run(x if root == self.rank else None, out, root)
-        b, out, wire = self._route("scatter", "out", out, writes=True, stream=stream)
-        self._checks.check_rank("scatter", "root", root)
-        if x is not None or self.rank == root:   # checked wherever given: alike on every rank
-            x = self._router.check_out("scatter", "x", b, x, out, self._joined[out.shape],
-                                " (size parts shaped like out)", writes=False)
-        return b.scatter(x, out, wire, root, async_op, stream)
+        return self._general.scatter(x, root, out, async_op, stream)
 
     def gather(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
                stream: Any = None) -> Any:
@@ -429,32 +384,18 @@ class Communicator:
                 elif out is None:
                     out = np.empty(self._joined[x.shape][0], x.dtype)
                 return run(x, out, root)
-        b, x, wire = self._route("gather", "x", x, stream=stream)
-        self._checks.check_rank("gather", "root", root)
-        shapes = self._joined[x.shape]
-        if out is not None:   # checked wherever given, so that every rank fails alike
-            out = self._router.check_out("gather", "out", b, out, x, shapes,
-                                  " (size parts shaped like x)")
-        if self.rank != root:
-            out = None
-        elif out is None:
-            out = b.empty(shapes[0], x.dtype, stream)
-        return b.gather(x, out, wire, root, async_op, stream)
+        return self._general.gather(x, root, out, async_op, stream)
 
     # -- point to point ---------------------------------------------------------------------------
     def send(self, x: Any, dst: int, *, async_op: bool = False, stream: Any = None) -> Any:
         """Send ``x`` to rank ``dst``, which receives it with ``recv``. Returns None (or a
         Work). Messages between two ranks arrive in the order they were sent."""
-        self._checks.check_peer("send", "dst", dst)
-        b, x, wire = self._route("send", "x", x, collective=False, stream=stream)
-        return b.send(x, wire, dst, async_op, stream)
+        return self._general.send(x, dst, async_op, stream)
 
     def recv(self, buf: Any, src: int, *, async_op: bool = False, stream: Any = None) -> Any:
         """Receive into ``buf`` what rank ``src`` sent; returns ``buf``. Its size must match
         the sent array's."""
-        self._checks.check_peer("recv", "src", src)
-        b, buf, wire = self._route("recv", "buf", buf, collective=False, writes=True, stream=stream)
-        return b.recv(buf, wire, src, async_op, stream)
+        return self._general.recv(buf, src, async_op, stream)
 
     def sendrecv(self, x: Any, dst: int, buf: Any, src: int, *, async_op: bool = False,
                  stream: Any = None) -> Any:
@@ -479,11 +420,7 @@ class Communicator:
                 run = self._prepared.find("sendrecv", x.dtype, None, async_op)
             if run is not None:
                 return run(x, dst, buf, src)
-        self._checks.check_rank("sendrecv", "dst", dst)
-        self._checks.check_rank("sendrecv", "src", src)
-        b, x, wire = self._route("sendrecv", "x", x, collective=False, stream=stream)
-        buf = self._router.check_kind("sendrecv", "buf", b, buf, x)
-        return b.sendrecv(x, wire, dst, buf, src, async_op, stream)
+        return self._general.sendrecv(x, dst, buf, src, async_op, stream)
 
     def isend(self, x: Any, dst: int, *, stream: Any = None) -> Work:
         """``send(x, dst, async_op=True)``: a Work that completes once ``x`` may be reused."""
