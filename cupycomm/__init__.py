@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, List
 
-from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, LocalRankWarning,
+from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, CommShrunkError,
+                     LocalRankWarning,
                      NcclError, PeerLost)
 
 if TYPE_CHECKING:
@@ -23,8 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "Communicator", "ReduceOp", "Work", "DTYPES", "DEFAULT_TIMEOUT",
-    "CommClosedError", "CollectiveTimeout", "CollectiveMismatch", "NcclError", "PeerLost",
-    "LocalRankWarning", "devices", "prefetch",
+    "CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch", "NcclError",
+    "PeerLost", "LocalRankWarning", "devices", "prefetch",
 ]
 
 # The module of each name imported at its first use. Importing mpi4py.MPI starts MPI, and the

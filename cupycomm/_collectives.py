@@ -13,7 +13,7 @@ list of collectives.
   watchdog does not end such a wait for it);
 - ``object``: every rank, with pickled Python objects (:mod:`cupycomm.objects`);
 - ``internal``: a wait of cupycomm's own (the end of a ``batch()`` block is point-to-point
-  traffic; the debug check and ``close`` are collective).
+  traffic; the debug check, ``close``, ``agree`` and ``shrink`` are collective).
 """
 from __future__ import annotations
 
@@ -74,6 +74,8 @@ CALLS: Tuple[Call, ...] = (
     Call("batch", INTERNAL),
     Call("debug check", INTERNAL),
     Call("close", INTERNAL),
+    Call("agree", INTERNAL),
+    Call("shrink", INTERNAL),
 )
 
 _CODES: Dict[str, int] = {call.name: code for code, call in enumerate(CALLS, start=1)}

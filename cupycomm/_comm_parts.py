@@ -8,7 +8,7 @@ Example (what ``Communicator.create`` does)::
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -18,18 +18,21 @@ from ._validate import Checks
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
 from .faults.watchdog import Tracker, watch
+from .survivors.state import Survival
 
 __all__ = ["Parts", "watched"]
 
 
 class Parts(NamedTuple):
     """The parts of a :class:`~cupycomm.communicator.Communicator` that cupycomm's own
-    modules use (``coalesce``, ``faults.debug``); not a public API."""
+    modules use (``coalesce``, ``faults.debug``, ``_subgroups``, ``survivors``); not a public
+    API."""
 
     checks: Checks            # argument checks, the closed state and the open batch() block
     router: Router            # the backends (host, device) and which one takes an array
     tracker: Tracker          # the watchdog's view: calls counted, the call in progress
     staging: coalesce.Staging   # all_reduce_coalesced's buffers, kept from call to call
+    survival: Optional[Survival]   # its lost peers (on_peer_loss="raise"), or None
 
 
 def watched(mpi_comm: MPI.Comm, name: str, timeout: float) -> Tuple[Tracker, int]:

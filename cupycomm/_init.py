@@ -19,6 +19,7 @@ from . import _bootstrap, _env
 from .communicator import Communicator
 from .faults import abort, flight
 from .run import exit_records
+from .survivors import policy
 
 __all__ = ["init"]
 
@@ -27,7 +28,8 @@ _default: Optional[Communicator] = None   # init()'s communicator of every rank 
 
 def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
          timeout: Optional[float] = None, abort_on_exception: Optional[bool] = None,
-         debug: Optional[bool] = None, device_module: Any = None) -> Communicator:
+         debug: Optional[bool] = None, device_module: Any = None,
+         on_peer_loss: Optional[str] = None) -> Communicator:
     """Start cupycomm in this process and return a :class:`~cupycomm.Communicator`.
 
     Args:
@@ -43,6 +45,13 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
             collective with matching arguments (default off; CUPYCOMM_DEBUG=1 turns it on).
         device_module: the module that provides device arrays, streams and NCCL; default
             CuPy. The test suite passes its host-memory NCCL stand-in here.
+        on_peer_loss: what a lost peer process does, in this process: ``"abort"`` (the
+            default) ends the job, naming it; ``"raise"``: collectives raise
+            :class:`~cupycomm.errors.PeerLost` on every survivor, which may
+            ``comm.shrink()`` and go on. None keeps what an earlier ``init()`` chose.
+            "raise" needs Open MPI 5 started with ``mpiexec --with-ft ulfm --mca btl
+            tcp,self``; elsewhere it is refused here (RuntimeError, on every rank). See
+            :mod:`cupycomm.survivors`.
 
     Example (2 ranks)::
 
@@ -55,11 +64,15 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
     """
     global _default
     _check_arguments(timeout, device)
+    if on_peer_loss is not None:
+        policy.check_mode(on_peer_loss)
     if mpi_comm is None:
-        current = _current(device, timeout, debug)
+        current = _current(device, timeout, debug, on_peer_loss)
         if current is not None:
             return current
     timeout, debug = _settings(timeout, debug)
+    if on_peer_loss is not None:
+        policy.choose(on_peer_loss, MPI.Get_library_version())
     _install_process_hooks(abort_on_exception)
     parent = _parent(mpi_comm)
     _bootstrap.check_launch(parent)   # N singletons where the launcher started N: an error
@@ -78,14 +91,16 @@ def _check_arguments(timeout: Optional[float], device: Optional[int]) -> None:
         raise ValueError(f"init: device must be a CUDA device number >= 0, got {device!r}")
 
 
-def _current(device: Optional[int], timeout: Optional[float],
-             debug: Optional[bool]) -> Optional[Communicator]:
+def _current(device: Optional[int], timeout: Optional[float], debug: Optional[bool],
+             on_peer_loss: Optional[str]) -> Optional[Communicator]:
     """The default communicator if it is open (and was made with the settings asked for:
     else ValueError), or None."""
     if _default is None or _default.closed:
         return None
     asked = {"device": (device, _default.parts.router.device_choice),
-             "timeout": (timeout, _default.timeout), "debug": (debug, _default.debug)}
+             "timeout": (timeout, _default.timeout), "debug": (debug, _default.debug),
+             "on_peer_loss": (on_peer_loss,
+                              "abort" if _default.parts.survival is None else "raise")}
     for name, (wanted, current) in asked.items():
         if wanted is not None and wanted != current:
             raise ValueError(f"init: already initialized with {name}={current!r}, now "

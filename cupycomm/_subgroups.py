@@ -46,6 +46,9 @@ def _subgroup(comm: Communicator, color: Optional[int], key: int,
     raw = router.device.split(color, key) if router.device is not None else None
     if color is None:
         return None
-    return type(comm).create(sub, name=f"{comm.name}/{label}", timeout=comm.timeout,
-                             device=router.device_choice, device_module=router.cupy,
-                             debug=comm.debug, device_rank=router.device_rank, nccl_comm=raw)
+    child = type(comm).create(sub, name=f"{comm.name}/{label}", timeout=comm.timeout,
+                              device=router.device_choice, device_module=router.cupy,
+                              debug=comm.debug, device_rank=router.device_rank, nccl_comm=raw)
+    if comm.parts.survival is not None:   # shrink() retires it with its parent
+        comm.parts.survival.adopt(child)
+    return child

@@ -15,7 +15,7 @@ import numpy as np
 
 from ._dtypes import DTYPES, op_error
 from .batch import Batch
-from .errors import CommClosedError
+from .errors import CommClosedError, CommShrunkError
 
 __all__ = ["Checks", "kind_name", "arg_name"]
 
@@ -33,8 +33,8 @@ def arg_name(arg: Any) -> str:
 
 class Checks:
     """The checks of one communicator's ``rank`` of ``size``, as a part of it; they read the
-    two facts of its state that they judge: ``closed`` (set by ``close()``) and ``batch``
-    (the open ``batch()`` block, set by ``batch()``).
+    facts of its state that they judge: ``closed`` (set by ``close()``; ``shrunk`` too where
+    ``shrink()`` closed it) and ``batch`` (the open ``batch()`` block, set by ``batch()``).
 
     Example::
 
@@ -47,6 +47,7 @@ class Checks:
         self.rank = rank
         self.size = size
         self.closed = False
+        self.shrunk = False
         self.batch: Optional[Batch] = None
 
     # -- shapes -----------------------------------------------------------------------------------
@@ -129,6 +130,10 @@ class Checks:
 
     def check_open(self, name: str) -> None:
         if self.closed:
+            if self.shrunk:
+                raise CommShrunkError(f"{name}: the communicator was shrunk after a peer was "
+                                      f"lost (rank {self.rank}); use the communicator "
+                                      f"shrink() returned")
             raise CommClosedError(f"{name}: the communicator is closed (rank {self.rank}); "
                                   f"create a new one with cupycomm.init()")
 

@@ -38,7 +38,7 @@ it does (``tests/backends/test_prepared.py``).
 """
 from __future__ import annotations
 
-from typing import Any, ContextManager, List, Optional, Sequence, Union
+from typing import Any, ContextManager, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -56,6 +56,8 @@ from .faults.watchdog import Tracker, unwatch
 from .batch import Batch, block
 from .backends.mpi import PreparedCalls
 from .objects import Objects
+from .survivors.shrink import shrink as _shrink
+from .survivors.state import survival_for, world_ranks
 from .work import Work
 
 __all__ = ["Communicator", "Parts", "DEFAULT_TIMEOUT"]
@@ -119,7 +121,8 @@ class Communicator:
         self._objects = Objects(mpi_comm, tracker, checks)
         #: The parts that cupycomm's own modules use, a ``Parts`` (checks, router, tracker and
         #: staging); not a public API.
-        self.parts = Parts(checks, router, tracker, coalesce.Staging())
+        self.parts = Parts(checks, router, tracker, coalesce.Staging(),
+                           survival_for(mpi_comm, tracker, router))
         if nccl_comm is not None:
             router.init_device(nccl_comm)
         self.debug = debug
@@ -528,6 +531,54 @@ class Communicator:
         """
         return _subgroups.new_group(self, ranks)
 
+    # -- after a peer is lost (init(on_peer_loss="raise"); see cupycomm.survivors) ---------------
+    @property
+    def world_ranks(self) -> Tuple[int, ...]:
+        """The rank in the job's world (``MPI.COMM_WORLD``) of each rank of this communicator,
+        kept by ``shrink()``: after world rank 1 of 4 is lost, ``(0, 2, 3)``."""
+        survival = self.parts.survival
+        return world_ranks(self._mpi) if survival is None else survival.world_ranks
+
+    def failed_ranks(self) -> List[int]:
+        """The world ranks of this communicator known to be lost (sorted): those the survivors
+        agreed on when a call raised PeerLost, and any this rank's MPI noticed since. Always
+        empty in the default mode, where a loss ends the job."""
+        self._checks.check_open("failed_ranks")
+        survival = self.parts.survival
+        return [] if survival is None else survival.failed_ranks()
+
+    def agree(self, flag: bool) -> bool:
+        """The AND of ``flag`` over the ranks (the survivors, after a loss: ULFM's agreement,
+        the same answer on each); collective. Example: ``comm.agree(step_ok)``."""
+        self._checks.check_open("agree")
+        survival = self.parts.survival
+        with self.parts.tracker.inside("agree"):
+            if survival is not None:
+                return survival.agree(flag)
+            return bool(self._mpi.allreduce(bool(flag), op=MPI.LAND))
+
+    def shrink(self) -> "Communicator":
+        """The survivors' communicator, after a PeerLost (host and device; world ranks kept:
+        :attr:`world_ranks`); collective over the survivors. This one, its subgroups and
+        buckets refuse every call from then on (:class:`~cupycomm.errors.CommShrunkError`).
+        Needs ``init(on_peer_loss="raise")``. See :mod:`cupycomm.survivors.shrink`.
+
+        Example (4 ranks, world rank 1 killed)::
+
+            try:
+                comm.all_reduce(x)
+            except cupycomm.PeerLost:
+                comm = comm.shrink()   # comm.size == 3, comm.world_ranks == (0, 2, 3)
+        """
+        self._checks.check_open("shrink")
+        survival = self.parts.survival
+        if survival is None:
+            raise RuntimeError(f"shrink: this communicator ends the job when a peer is lost; "
+                               f"shrink() needs cupycomm.init(on_peer_loss='raise') (rank "
+                               f"{self.rank})")
+        with self.parts.tracker.inside("shrink"):
+            return _shrink(self, survival)
+
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Free the NCCL communicator and the MPI duplicate. Closing twice is harmless; any
@@ -544,6 +595,8 @@ class Communicator:
             tracker.leave()
             if not MPI.Is_finalized():
                 self._objects.close()
+                if self.parts.survival is not None:
+                    self.parts.survival.discard()
                 self._mpi.Free()
 
     def __enter__(self) -> "Communicator":

@@ -3,16 +3,16 @@
 Bad arguments raise ``TypeError`` (wrong kind of object) or ``ValueError`` (wrong value or
 shape), before any communication starts. The classes here are for state and for faults:
 a closed communicator, a collective that did not finish in time, ranks that disagree about
-a collective (debug mode), a failed NCCL call, a peer process that is gone, a node's shared
-file that is not the one cupycomm made; and one warning, for a launch that MPI sees otherwise
-than the launcher.
+a collective (debug mode), a failed NCCL call, a peer process that is gone (and a
+communicator replaced by ``shrink()`` after it), a node's shared file that is not the one
+cupycomm made; and one warning, for a launch that MPI sees otherwise than the launcher.
 """
 from __future__ import annotations
 
 from typing import Tuple
 
-__all__ = ["CommClosedError", "CollectiveTimeout", "CollectiveMismatch", "NcclError", "PeerLost",
-           "SharedFileRefused", "LocalRankWarning"]
+__all__ = ["CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch",
+           "NcclError", "PeerLost", "SharedFileRefused", "LocalRankWarning"]
 
 
 class CommClosedError(RuntimeError):
@@ -43,8 +43,31 @@ class NcclError(RuntimeError):
 
 
 class PeerLost(NcclError):
-    """A peer process of the communicator died while this rank's device collectives waited
-    for it: the NCCL communicator was aborted (host collectives end the job instead)."""
+    """A peer process of the communicator is gone.
+
+    On the device: a peer died while this rank's device collectives waited for it, and the
+    NCCL communicator was aborted. With ``init(on_peer_loss="raise")`` (see
+    :mod:`cupycomm.survivors`), also on the host: every survivor of the communicator raises it
+    from the collective that the loss broke (or the next one), alike, and may then
+    ``comm.shrink()`` and go on; in the default mode host collectives end the job instead.
+
+    ``ranks`` are the lost ranks in the numbering of the job's world (a sorted tuple; empty
+    where unknown), ``call`` the collective's name and ``seq`` its sequence number on the
+    communicator (-1 where unknown). It subclasses NcclError, which the device side raised
+    first.
+    """
+
+    def __init__(self, message: str, *, ranks: Tuple[int, ...] = (), call: str = "",
+                 seq: int = -1) -> None:
+        super().__init__(message)
+        self.ranks = tuple(sorted(ranks))
+        self.call = call
+        self.seq = seq
+
+
+class CommShrunkError(CommClosedError):
+    """The communicator was replaced by ``comm.shrink()`` (it, its subgroups, its buckets and
+    its prepared calls refuse every call): use the communicator that ``shrink()`` returned."""
 
 
 class SharedFileRefused(RuntimeError):

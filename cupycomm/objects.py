@@ -17,6 +17,7 @@ from mpi4py.util import pkl5
 
 from ._validate import Checks
 from .faults.watchdog import Tracker
+from .survivors.lost import attach, peer_lost
 
 __all__ = ["Objects"]
 
@@ -39,13 +40,18 @@ class Objects:
 
     def _run(self, label: str, call: Callable, *args: Any) -> Any:
         self._checks.check_open(label)
+        tracker = self._tracker
         if self._transport is None:
             self._transport = pkl5.Intracomm(self._mpi.Dup())
-        tracker = self._tracker
+            attach(tracker, self._transport)   # a lost peer revokes it with the communicator
         tracker.seq += 1
         tracker.flight.calls[tracker.seq % tracker.flight.size] = label
         with tracker.inside(label):
-            return call(self._transport, *args)
+            try:
+                return call(self._transport, *args)
+            except MPI.Exception as error:   # a lost peer: PeerLost where the process survives
+                peer_lost(error, tracker, label, tracker.seq)
+                raise
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:
         self._checks.check_rank("broadcast_object", "root", root)
@@ -75,4 +81,6 @@ class Objects:
     def close(self) -> None:
         """Free the duplicate, if made (MPI still initialized)."""
         if self._transport is not None:
+            if self._checks.shrunk and not self._transport.Is_revoked():
+                self._transport.Revoke()   # see cupycomm.survivors.state.Survival.revoke
             self._transport.Free()

@@ -17,6 +17,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 
 from .._dtypes import DTYPES, ReduceOp
 from .._parts import offsets
+from ..survivors.lost import peer_lost
 from ..work import HostWork
 from . import HostBackend, Marks
 
@@ -28,6 +29,7 @@ _NUMPY_OPS = {ReduceOp.SUM: np.add, ReduceOp.PROD: np.multiply, ReduceOp.MIN: np
               ReduceOp.MAX: np.maximum, ReduceOp.AVG: np.add}
 _BYTE = MPI.BYTE
 _IN_PLACE = MPI.IN_PLACE
+_MPI_ERROR = MPI.Exception
 
 
 def _exports_buffer(dtype: np.dtype) -> bool:
@@ -87,7 +89,9 @@ _MOVEMENTS, _REDUCTIONS = _tables()
 # started one returns a request, which ``started`` turns into a HostWork. The prepared calls
 # and the general path (MPIBackend's methods) both run these. A helper for the marks would
 # cost every call a second frame: each body writes them alike, and
-# tests/faults/test_watchdog.py checks every prepared one.
+# tests/faults/test_watchdog.py checks every prepared one. Their ``except`` clause costs
+# nothing until an MPI call fails (CPython 3.11's exception tables): then a lost peer
+# becomes PeerLost (cupycomm.survivors.lost) where the process survives losses.
 Started = Callable[[Any, Any, tuple, str], HostWork]
 
 
@@ -102,6 +106,9 @@ def _reduction(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
         marks.busy = label
         try:
             request = call(_IN_PLACE if recv is x else [x, datatype], [recv, datatype], op)
+        except _MPI_ERROR as error:
+            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
+            raise
         finally:
             marks.busy = None
         return recv if request is None else started(request, recv, (x, recv), label)
@@ -120,6 +127,9 @@ def _rooted_reduction(call: Callable, datatype: Any, op: Any, label: str, marks:
         try:
             request = call(_IN_PLACE if recv is x else [x, datatype],
                            None if recv is None else [recv, datatype], op, root)
+        except _MPI_ERROR as error:
+            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
+            raise
         finally:
             marks.busy = None
         return recv if request is None else started(request, recv, (x, recv), label)
@@ -139,6 +149,9 @@ def _rooted(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
         try:
             request = call(None if x is None else [x, datatype],
                            None if recv is None else [recv, datatype], root)
+        except _MPI_ERROR as error:
+            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
+            raise
         finally:
             marks.busy = None
         return recv if request is None else started(request, recv, (x, recv), label)
@@ -156,6 +169,9 @@ def _two_buffers(call: Callable, datatype: Any, op: Any, label: str, marks: Mark
         marks.busy = label
         try:
             request = call([x, datatype], [recv, datatype])
+        except _MPI_ERROR as error:
+            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
+            raise
         finally:
             marks.busy = None
         return recv if request is None else started(request, recv, (x, recv), label)
@@ -173,6 +189,9 @@ def _one_buffer(call: Callable, datatype: Any, op: Any, label: str, marks: Marks
         marks.busy = label
         try:
             request = call([x, datatype], rank)
+        except _MPI_ERROR as error:
+            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
+            raise
         finally:
             marks.busy = None
         return x if request is None else started(request, x, (x,), label)
@@ -190,6 +209,9 @@ def _sendrecv(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
         marks.busy = label
         try:
             request = call([x, datatype], dst, 0, [buf, datatype], src, 0)
+        except _MPI_ERROR as error:
+            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
+            raise
         finally:
             marks.busy = None
         return buf if request is None else started(request, buf, (x, buf), label)
@@ -208,6 +230,9 @@ def _vectors(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
         try:
             request = call([x, (send_counts, offsets(send_counts)), datatype],
                            [recv, (recv_counts, offsets(recv_counts)), datatype])
+        except _MPI_ERROR as error:
+            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
+            raise
         finally:
             marks.busy = None
         return recv if request is None else started(request, recv, (x, recv), label)
@@ -225,6 +250,9 @@ def _no_buffer(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
         marks.busy = label
         try:
             request = call()
+        except _MPI_ERROR as error:
+            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
+            raise
         finally:
             marks.busy = None
         return None if request is None else started(request, None, (), label)
@@ -527,6 +555,9 @@ class MPIBackend(HostBackend):
         tracker.busy = f"{label} #{tracker.seq + 1}"
         try:
             return call(*args)
+        except _MPI_ERROR as error:
+            peer_lost(error, tracker, label, tracker.seq + 1)
+            raise
         finally:
             tracker.busy = None
 
@@ -562,6 +593,9 @@ class MPIBackend(HostBackend):
                 requests[0].Wait()
             else:
                 MPI.Request.Waitall(requests)
+        except _MPI_ERROR as error:
+            peer_lost(error, tracker, label, tracker.seq)
+            raise
         finally:
             tracker.busy = None
 

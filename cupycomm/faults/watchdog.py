@@ -16,7 +16,9 @@ ten times a second and:
   blocked in a different collective, with this rank's Python stacks, and aborts the job (MPI
   cannot cancel a collective);
 - when a blocking host call waits and a peer on this node has died (its process ended
-  without leaving: ``os._exit``, a signal, a crash): aborts the job naming that peer at once;
+  without leaving: ``os._exit``, a signal, a crash): aborts the job naming that peer at once
+  (unless ``init(on_peer_loss="raise")``: then MPI's ULFM makes the call raise PeerLost on
+  every survivor, :mod:`cupycomm.survivors`; a dead peer still aborts pending device work);
 - when a blocking collective waits and a peer has left (closed the communicator, or its
   program is exiting: it ended, or called ``sys.exit``, even with code 0) before issuing this
   collective: aborts the job naming it, 2 s after it left. A peer that issued this collective
@@ -67,6 +69,7 @@ from .flight import Recorder
 from .abort import abort_job, report_stream
 from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from .heartbeat import Heartbeats
+from ..survivors import policy
 
 if TYPE_CHECKING:   # the contract only: faults/ does not import the backends
     from ..backends import Health
@@ -210,11 +213,14 @@ class Tracker:
         that this rank may be waiting for in call ``at`` and that is gone, or '' (see the
         module docstring for when a peer that left counts)."""
         left_counts = left_counts and name not in POINT_TO_POINT
+        surviving, host_wait = policy.raising(), bool(name)
         for row in self.board.peers() if self.board is not None else ():
             if row[LEFT]:
                 state = _left(int(row[LEFT]), int(row[SEQ]), row[LEFT_AT] / 1e9, at, now,
                               left_counts)
             elif not _board.alive(int(row[PID])):
+                if surviving and host_wait:
+                    continue   # MPI's ULFM tells the survivors: PeerLost (cupycomm.survivors)
                 state = "has died (its process ended: os._exit, a signal or a crash)"
             else:
                 continue
@@ -223,7 +229,7 @@ class Tracker:
         remote = self.beats.departure() if self.beats is not None else None
         if remote is not None:
             state = (_left(remote.left, remote.seq, remote.since, at, now, left_counts)
-                     if remote.left else remote.how)
+                     if remote.left else "" if surviving and host_wait else remote.how)
             if state:
                 return f"{remote.who} {state}"
         return ""

@@ -1,0 +1,26 @@
+"""Survivors go on: after a peer is lost, raise on every survivor, shrink and continue.
+
+With ``cupycomm.init(on_peer_loss="raise")`` (the default "abort" ends the job, as always),
+a collective that a lost rank would block raises :class:`~cupycomm.errors.PeerLost` on every
+survivor alike (its ``ranks`` in world numbering, the ``call`` and its ``seq``); then
+``comm.agree(flag)`` (a fault-tolerant AND over the survivors), ``comm.failed_ranks()`` and
+``comm.shrink()`` (the survivors' communicator, host and device) let the program go on. It
+needs MPI's ULFM: Open MPI 5 started with ``mpiexec --with-ft ulfm --mca btl tcp,self``;
+elsewhere ``init`` refuses (:mod:`.policy`).
+
+- :mod:`.policy`: the process's mode, and the refusal where the MPI cannot;
+- :mod:`.lost`: MPI's errors turned into PeerLost, where the host calls fail;
+- :mod:`.state`: one communicator's lost peers, the agreement, its shrunk MPI successor;
+- :mod:`.shrink`: ``comm.shrink()``, the old communicator (and its NCCL one) retired.
+
+Example (4 ranks under ``mpiexec --with-ft ulfm --mca btl tcp,self``, one killed)::
+
+    comm = cupycomm.init(on_peer_loss="raise")
+    try:
+        comm.all_reduce(x)
+    except cupycomm.PeerLost as lost:
+        comm = comm.shrink()    # the 3 survivors; comm.world_ranks keeps the job's numbers
+
+Nothing is imported here: :mod:`.policy` is read by tools that must not start MPI
+(``python -m cupycomm.run``).
+"""

@@ -1,0 +1,65 @@
+"""An MPI error that says a peer is gone, turned into :class:`~cupycomm.errors.PeerLost`.
+
+The host backend's calls, a Work's wait and the object collectives catch ``MPI.Exception``
+(a ``try`` costs a call nothing in CPython 3.11 until it raises) and hand it to
+:func:`peer_lost`, which raises PeerLost where the communicator is one of a process that
+survives losses (:mod:`.policy`) and the error is one of ULFM's (ERR_PROC_FAILED,
+ERR_PROC_FAILED_PENDING, ERR_REVOKED); otherwise it returns and the caller re-raises the
+MPI error as before. What it does first (revoke, agree on who is gone) is
+:meth:`.state.Survival.lose`'s.
+
+Example (what a host call does)::
+
+    try:
+        call(...)
+    except MPI.Exception as error:
+        peer_lost(error, tracker, "all_reduce", seq)   # raises PeerLost where it is one
+        raise
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from .state import Survival
+
+__all__ = ["peer_lost", "enlist", "attach", "FAILURES"]
+
+#: The error classes of ULFM that say a peer is lost (the call saw it fail; a nonblocking
+#: receive from any source cannot know; another survivor revoked the communicator).
+FAILURES = frozenset(getattr(MPI, name) for name in
+                     ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+                     if hasattr(MPI, name))
+
+# The state of each communicator that survives losses, by its watchdog tracker (what the
+# host backend's calls hold).
+_BY_TRACKER: "weakref.WeakKeyDictionary[Any, Survival]" = weakref.WeakKeyDictionary()
+
+
+def enlist(tracker: Any, survival: "Survival") -> None:
+    """Translate the MPI errors of the communicator of ``tracker`` through ``survival``."""
+    _BY_TRACKER[tracker] = survival
+
+
+def attach(tracker: Any, mpi_comm: MPI.Comm) -> None:
+    """``mpi_comm`` (the object collectives' duplicate) belongs to the communicator of
+    ``tracker``: a loss revokes it too, so that no survivor stays blocked in it."""
+    survival = _BY_TRACKER.get(tracker)
+    if survival is not None:
+        survival.attach(mpi_comm)
+
+
+def peer_lost(error: BaseException, tracker: Any, label: str, seq: int) -> None:
+    """Raise PeerLost (from ``error``) where ``error`` says that a peer of the communicator of
+    ``tracker`` is gone and it survives losses; else return. ``label`` names the call (or
+    "call #seq", a Work's), ``seq`` its number."""
+    survival = _BY_TRACKER.get(tracker)
+    if survival is None or not isinstance(error, MPI.Exception):
+        return
+    if error.Get_error_class() not in FAILURES:
+        return
+    call, _, number = label.partition(" #")
+    raise survival.lose(call, int(number) if number.isdigit() else seq) from error

@@ -1,0 +1,68 @@
+"""``comm.shrink()``: the survivors' communicator, after a peer was lost.
+
+On MPI: revoke, agree on who is gone and shrink (:meth:`.state.Survival.successor`, ULFM's
+``MPI_Comm_shrink``). On the device: the old NCCL communicator is aborted on every survivor,
+never destroyed (after an abortive shrink NCCL >= 2.31 hangs in ncclCommDestroy,
+pytorch#194679; CuPy 14 has neither ncclCommShrink nor ncclCommRevoke), and the successor
+makes a new one from a fresh unique id broadcast over the shrunk MPI communicator, on the
+same GPU. The old communicator, its subgroups, its buckets and prepared calls then refuse
+every call with :class:`~cupycomm.errors.CommShrunkError`. World ranks stay the job's
+(``comm.world_ranks``).
+
+Example (4 ranks, world rank 1 killed)::
+
+    try:
+        comm.all_reduce(x)
+    except cupycomm.PeerLost as lost:    # lost.ranks == (1,) on ranks 0, 2 and 3
+        comm = comm.shrink()             # 3 ranks; comm.world_ranks == (0, 2, 3)
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mpi4py import MPI
+
+from ..errors import PeerLost
+from ..run import exit_records
+
+if TYPE_CHECKING:
+    from ..communicator import Communicator
+    from .state import Survival
+
+__all__ = ["shrink"]
+
+
+def shrink(comm: "Communicator", survival: "Survival") -> "Communicator":
+    """The survivors' communicator replacing ``comm`` (whose state is ``survival``); see the
+    module. Collective over the survivors."""
+    from ..communicator import Communicator
+    router = comm.parts.router
+    had_device = router.device is not None
+    successor = survival.successor()
+    exit_records.note_survived(survival.lost or ())   # cupycomm.run: the program recovered
+    retire(comm, survival)
+    shrunk = Communicator.create(successor, name=f"{comm.name}-shrunk", timeout=comm.timeout,
+                                 device=router.device_choice, device_module=router.cupy,
+                                 debug=comm.debug, device_rank=router.device_rank)
+    if had_device:   # as the old one had: collective, a fresh unique id over ``successor``
+        shrunk.init_device()
+    return shrunk
+
+
+def retire(comm: "Communicator", survival: "Survival") -> None:
+    """Close ``comm`` and its subgroups for good, their NCCL communicators aborted."""
+    for child in survival.children():
+        child_survival = child.parts.survival
+        if child_survival is not None:
+            retire(child, child_survival)
+    survival.discard()
+    survival.revoke()
+    parts = comm.parts
+    parts.checks.shrunk = True   # every later call: CommShrunkError
+    device = parts.router.device
+    if device is not None:   # aborted, never destroyed (see the module)
+        device.abort("the communicator was shrunk after a peer was lost", peer_lost=True)
+    try:
+        comm.close()
+    except (PeerLost, MPI.Exception):
+        pass   # its calls in flight failed: the peers they waited for are gone
