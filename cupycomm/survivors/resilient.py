@@ -12,7 +12,7 @@ everywhere. It needs ``init(on_peer_loss="raise")`` (Open MPI 5 under
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Set, Tuple
 
 from ..communicator import Communicator
 from ..errors import CommClosedError, PeerLost, TooFewSurvivors
@@ -82,56 +82,58 @@ def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
     """
     _check(step, state, comm, steps, min_size, max_failures, commit_every, on_shrink)
     start = frozenset(comm.world_ranks)
-    try:
-        state.sync(comm)
-    except PeerLost:
+    if not _together(comm, state.sync, comm):
         comm = _shrink(comm, state, start, min_size, max_failures, on_shrink)
     while state.completed < steps:
         i = state.completed
-        try:
-            step(comm, state, i)
-            finished = True
-        except PeerLost:
-            finished = False
-        try:
-            finished = comm.agree(finished)
-        except PeerLost:
-            finished = False
-        if finished:
+        if _together(comm, step, comm, state, i):
             state.completed = i + 1
             if state.completed % commit_every == 0 or state.completed == steps:
                 state.commit()
-            continue
-        comm = _shrink(comm, state, start, min_size, max_failures, on_shrink)
+        else:
+            comm = _shrink(comm, state, start, min_size, max_failures, on_shrink)
     return comm, state
+
+
+def _together(comm: Communicator, action: Callable[..., Any], *args: Any) -> bool:
+    """Whether ``action(*args)`` ended without PeerLost on every rank of ``comm``: the same
+    answer on each, so that all survivors take the same branch next, even where a loss broke
+    a collective for some of them and not for others (a root that died after sending)."""
+    try:
+        action(*args)
+        finished = True
+    except PeerLost:
+        finished = False
+    return comm.agree(finished)
 
 
 def _shrink(comm: Communicator, state: State, start: frozenset, min_size: int,
             max_failures: Optional[int], on_shrink: Optional[OnShrink]) -> Communicator:
     """The survivors' communicator with the state restored and synced; again while ranks are
     lost during it."""
-    lost: Tuple[int, ...] = ()
+    lost: Set[int] = set()
     while True:
         before = comm.world_ranks
         comm = comm.shrink()
-        lost = tuple(sorted(set(lost) | (set(before) - set(comm.world_ranks))))
-        try:
-            state.restore()
-            state.sync(comm)
-            gone = sorted(start - set(comm.world_ranks))
-            if comm.size < min_size or (max_failures is not None and len(gone) > max_failures):
-                limit = (f"fewer than min_size={min_size}" if comm.size < min_size
-                         else f"more than max_failures={max_failures}")
-                raise TooFewSurvivors(
-                    f"resilient: {len(gone)} of {len(start)} ranks lost (world ranks "
-                    f"{', '.join(map(str, gone))}), {comm.size} left: {limit}; the state is "
-                    f"that of step {state.completed} on every survivor",
-                    comm=comm, state=state, lost=tuple(gone))
-            if on_shrink is not None:
-                on_shrink(comm, state, lost)
-            return comm
-        except PeerLost:
-            continue
+        lost |= set(before) - set(comm.world_ranks)
+        if _together(comm, _restore, comm, state):
+            break
+    gone = sorted(start - set(comm.world_ranks))
+    if comm.size < min_size or (max_failures is not None and len(gone) > max_failures):
+        limit = (f"fewer than min_size={min_size}" if comm.size < min_size
+                 else f"more than max_failures={max_failures}")
+        raise TooFewSurvivors(
+            f"resilient: {len(gone)} of {len(start)} ranks lost (world ranks "
+            f"{', '.join(map(str, gone))}), {comm.size} left: {limit}; the state is that of "
+            f"step {state.completed} on every survivor", comm=comm, state=state, lost=tuple(gone))
+    if on_shrink is not None and not _together(comm, on_shrink, comm, state, tuple(sorted(lost))):
+        return _shrink(comm, state, start, min_size, max_failures, on_shrink)
+    return comm
+
+
+def _restore(comm: Communicator, state: State) -> None:
+    state.restore()
+    state.sync(comm)
 
 
 def _check(step: Any, state: Any, comm: Any, steps: Any, min_size: Any, max_failures: Any,
