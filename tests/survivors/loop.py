@@ -54,7 +54,5 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # Under ULFM, MPI_Finalize after a loss may wait for ever (open-mpi/ompi#11404; here about
-    # one run in five): the survivors end without it, once their output is out.
-    sys.stdout.flush()
+    sys.stdout.flush()   # and no MPI_Finalize, as the example explains
     os._exit(0)
