@@ -39,7 +39,9 @@ def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
     committed). If not, every survivor alike shrinks the communicator, restores the last
     committed state, makes it that of the lowest surviving rank (rank 0 of the shrunk
     communicator), calls ``on_shrink(comm, state, lost)`` with the new communicator and the
-    lost ranks (world numbering), and retries from step ``state.completed``.
+    ranks lost since the last step that counted (world numbering), and retries from step
+    ``state.completed``. The first sync, the restore and ``on_shrink`` end with an agreement
+    too: a loss during one of them shrinks again, on every survivor alike.
 
     A step must take its ranks and its share of the work from the ``comm`` it is given (it
     changes after a loss), change only ``state`` (or what is derived from it again after a
