@@ -152,7 +152,7 @@ class Communicator:
         #: The parts that cupycomm's own modules use, a ``Parts`` (checks, router, tracker and
         #: staging); not a public API.
         self.parts = Parts(checks, router, tracker, coalesce.Staging(),
-                           survival_for(mpi_comm, tracker))
+                           survival_for(mpi_comm, tracker, router))
         if nccl_comm is not None:
             router.init_device(nccl_comm)
         self.debug = debug

@@ -10,7 +10,10 @@ its launcher named it, the host as the OS knows it, and its pid):
 - ``aborted``: cupycomm ended the job (the watchdog or the abort handler; why, in ``detail``).
 
 A record still ``running`` after the job is over belongs to a rank that ended without
-finishing: ``os._exit``, a signal, a crash, or a peer's ``MPI_Abort``. A process whose world
+finishing: ``os._exit``, a signal, a crash, or a peer's ``MPI_Abort``. Each record also lists
+in ``survived`` the world ranks this rank went on without (``comm.shrink()`` after a lost peer,
+:func:`note_survived`): where every rank that finished went on without each rank that did not,
+the program has said that it recovered. A process whose world
 is not of the job's size (``CUPYCOMM_RUN_SIZE``) is not one of its ranks: it records the same
 states in ``stray-<host>-<pid>.json`` (a singleton, where the launcher and the MPI did not
 form one world; a program a rank started), so that ``cupycomm.run`` can tell singletons from
@@ -31,16 +34,19 @@ import json
 import os
 import socket
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from .. import _bootstrap, _env
 from ..faults import private
 
-__all__ = ["start", "record", "read", "read_strays", "RUNNING", "ENDED", "RAISED", "ABORTED"]
+__all__ = ["start", "record", "note_survived", "read", "read_strays", "RUNNING", "ENDED",
+           "RAISED", "ABORTED"]
 
 RUNNING, ENDED, RAISED, ABORTED = "running", "ended", "raised", "aborted"
 
 _path: Optional[str] = None   # this rank's record, once start() has written it
+_state = RUNNING              # what it says
+_survived: List[int] = []     # the world ranks this rank went on without
 
 
 def _record_path(directory: str, rank: int) -> str:
@@ -66,16 +72,27 @@ def start() -> None:
 def record(state: str, detail: str = "") -> None:
     """Replace this rank's record by ``state`` (with ``detail``); nothing if :func:`start`
     has not written one."""
+    global _state
     if _path is None:
         return
+    _state = state
     world = _bootstrap.world()
     text = json.dumps({"rank": world.Get_rank(), "size": world.Get_size(),
                        "node": _bootstrap.node_name(), "host": socket.gethostname(),
-                       "pid": os.getpid(), "state": state, "detail": detail})
+                       "pid": os.getpid(), "state": state, "detail": detail,
+                       "survived": _survived})
     try:
         private.replace_file(_path, text)
     except OSError as error:   # the directory is gone (the launcher ended): say so, go on
         sys.stderr.write(f"cupycomm: could not record this rank's end in {_path}: {error}\n")
+
+
+def note_survived(ranks: Sequence[int]) -> None:
+    """This rank went on without world ``ranks`` (lost peers): its record says so from now on
+    (``shrink()`` calls it)."""
+    _survived[:] = sorted(set(_survived) | set(ranks))
+    if _state == RUNNING:
+        record(RUNNING)
 
 
 def _at_exit() -> None:

@@ -64,6 +64,9 @@ options:
   -n N, -np N        the number of ranks
   --timeout S        every rank's collective timeout, in seconds (CUPYCOMM_TIMEOUT)
   --debug            every rank checks that all call each collective alike (CUPYCOMM_DEBUG)
+  --survivors        let ranks go on past a lost one (for init(on_peer_loss="raise"): Open
+                     MPI's --with-ft ulfm ...); the job then succeeds if every rank that
+                     did not finish was gone on without (comm.shrink()) by all that did
   --prefix-output    prefix each line of output with its rank (the launcher's option)
   --mpiexec PATH     the launcher (default: $MPIEXEC, the mpiexec beside this Python, PATH)
   --job-dir DIR      where the job's directory goes: a directory every node sees
@@ -94,6 +97,7 @@ class Options:
     launcher_args: List[str] = dataclasses.field(default_factory=list)
     timeout: Optional[float] = None
     debug: bool = False
+    survivors: bool = False
     prefix_output: bool = False
     mpiexec: Optional[str] = None
     job_dir: Optional[str] = None
@@ -147,7 +151,7 @@ def parse(argv: Sequence[str]) -> Options:
             found["timeout"], i = seconds, i + 2
         elif arg in ("--mpiexec", "--job-dir"):
             found[arg[2:].replace("-", "_")], i = _value(argv, i), i + 2
-        elif arg in ("--debug", "--prefix-output"):
+        elif arg in ("--debug", "--prefix-output", "--survivors"):
             found[arg[2:].replace("-", "_")], i = True, i + 1
         else:
             found["launcher_args"].append(arg)   # type: ignore[attr-defined]
@@ -161,7 +165,8 @@ def parse(argv: Sequence[str]) -> Options:
 
 def _job_argv(options: Options, launcher: launchers.Launcher,
               variables: Sequence[str]) -> List[str]:
-    command = launcher.command(options.n, leave_cleanup_to_cupycomm=True)
+    command = launcher.command(options.n, leave_cleanup_to_cupycomm=True,
+                               survivors=options.survivors)
     extra = list(_PREFIX.get(launcher.kind, ())) if options.prefix_output else []
     export = _EXPORT.get(launcher.kind)
     if export:
@@ -178,9 +183,10 @@ class _Forwarder:
     arrives before the launcher has a pid is forwarded once it has one, and never twice.
     """
 
-    def __init__(self, stop: int = signal.SIGKILL) -> None:
+    def __init__(self, stop: int = signal.SIGKILL, survivors: bool = False) -> None:
         self.signal: Optional[int] = None   # the first signal that arrived
         self._stop = stop   # what ends the launcher's session first (see _STOP)
+        self._survivors = survivors   # a rank that died does not end the job (--survivors)
         self.died: List[int] = []   # ranks of this host seen dead without an end recorded
         self._arrived = 0
         self._previous = {s: signal.signal(s, self._handle)
@@ -207,7 +213,7 @@ class _Forwarder:
             if lost_at is None and now >= next_look:
                 next_look = now + 1.0
                 self.died = _died_here(exit_records.read(directory, size))
-                if self.died:
+                if self.died and not self._survivors:
                     lost_at = now
             if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
                     or (lost_at is not None and now - lost_at > LOST_GRACE)):
@@ -328,6 +334,9 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
             return status, (f"cupycomm.run: every rank reached its end, but {exited} (a rank "
                             f"called sys.exit with a non-zero code?)")
         return 0, ""
+    recovered = _recovered(records, by_state)
+    if recovered:
+        return 0, f"cupycomm.run: {recovered}; {exited}"
     if exit_records.RAISED in by_state or exit_records.ABORTED in by_state:
         first = (by_state.get(exit_records.RAISED) or by_state[exit_records.ABORTED])[0]
         how = "raised" if first["state"] == exit_records.RAISED else "ended the job:"
@@ -347,6 +356,23 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
     return status or 1, "cupycomm.run: " + "; ".join(parts)
 
 
+def _recovered(records: Sequence[Optional[dict]], by_state: Dict[str, List[dict]]) -> str:
+    """A line naming the lost ranks, where the program said that it recovered from losing
+    them: every rank recorded its end, or ended without one and each rank that ended went on
+    without it (its ``survived``: ``comm.shrink()``); else ''. A survivor's own non-zero
+    ``sys.exit`` is not told apart (the launcher's status mixes it with the lost ranks')."""
+    ended = by_state.get(exit_records.ENDED, [])
+    lost = by_state.get(exit_records.RUNNING, [])
+    if not lost or not ended or len(ended) + len(lost) != len(records):
+        return ""
+    gone = {r["rank"] for r in lost}
+    if any(not gone <= set(r.get("survived", ())) for r in ended):
+        return ""
+    return (f"{'; '.join(_who(r) for r in lost)} lost: {_ranks([r['rank'] for r in ended])} "
+            f"went on without {'it' if len(lost) == 1 else 'them'} (comm.shrink()) and "
+            f"finished")
+
+
 def _job_directory(parent: Optional[str]) -> str:
     where = parent or os.getcwd()
     if not os.access(where, os.W_OK):
@@ -361,6 +387,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         options = parse(sys.argv[1:] if argv is None else argv)
         launcher = launchers.find(options.mpiexec)
+        if options.survivors and not launchers.KINDS[launcher.kind].survivors:
+            raise UsageError(f"--survivors: {launcher.executable} ({launcher.kind}) cannot let "
+                             f"ranks go on past a lost one; Open MPI 5's mpiexec can")
         directory = _job_directory(options.job_dir)
     except UsageError as why:
         sys.stderr.write(f"{USAGE}\ncupycomm.run: {why}\n" if str(why) else USAGE)
@@ -377,7 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env.update(variables)
     argv_ = _job_argv(options, launcher, list(variables))
     own_failure = _OWN_FAILURE.get(launcher.kind)
-    forwarder = _Forwarder(_STOP.get(launcher.kind, signal.SIGKILL))
+    forwarder = _Forwarder(_STOP.get(launcher.kind, signal.SIGKILL), options.survivors)
     try:
         child = subprocess.Popen(argv_, env=env, start_new_session=True,
                                  stderr=subprocess.PIPE if own_failure else None)

@@ -47,6 +47,7 @@ class _Kind:
     oversubscribe: Tuple[str, ...]   # options it needs to start more ranks than cores
     gives: Tuple[str, ...]           # variables it gives its ranks (``X_*``: a prefix)
     gives_as_configuration: Tuple[str, ...] = ()  # ...named like the user's configuration
+    survivors: Tuple[str, ...] = ()  # options letting ranks go on past a lost one (none: cannot)
 
 
 # Measured by diffing `env` in a rank against its parent (the MPICH 4, Open MPI 5.0.11 and
@@ -80,7 +81,13 @@ KINDS: Dict[str, _Kind] = {
         gives_as_configuration=("OMPI_MCA_PREFIXES", "OMPI_MCA_cpu_type",
                                 "OMPI_MCA_initial_wdir", "OMPI_MCA_num_procs",
                                 "OMPI_MCA_orte_*", "OMPI_MCA_ess", "OMPI_MCA_ess_base_*",
-                                "OMPI_MCA_pmix", "OMPI_MCA_shmem_RUNTIME_QUERY_hint")),
+                                "OMPI_MCA_pmix", "OMPI_MCA_shmem_RUNTIME_QUERY_hint"),
+        # MPI's ULFM; the TCP transport, without which a rank's non-zero exit or MPI_Abort is
+        # not reported to the survivors (PRRTE reports it as PMIX_ERR_EXIT_NONZERO_TERM, which
+        # ULFM does not listen for); no fence at the start of MPI_Finalize, where survivors
+        # were seen waiting for ever (5.0.11: 2 jobs of 10). See cupycomm.survivors.
+        survivors=("--with-ft", "ulfm", "--mca", "btl", "tcp,self",
+                   "--mca", "async_mpi_finalize", "1")),
     "srun": _Kind(
         # Debian and Ubuntu spell their build slurm-wlm; an srun that finds no slurm.conf
         # prints only its complaints, each starting "srun: "
@@ -152,12 +159,16 @@ class Launcher:
         """
         return list(KINDS[self.kind].cleanup)
 
-    def command(self, n: int, *, leave_cleanup_to_cupycomm: bool = False) -> List[str]:
+    def command(self, n: int, *, leave_cleanup_to_cupycomm: bool = False,
+                survivors: bool = False) -> List[str]:
         """The argv of an ``n``-rank job up to the program.
 
         ``[mpiexec, "-n", "3", ...]`` plus the options this launcher needs: Open MPI's
-        ``--oversubscribe`` when ``n`` is more than this machine's cores, and with
-        ``leave_cleanup_to_cupycomm`` the :attr:`cleanup_options`.
+        ``--oversubscribe`` when ``n`` is more than this machine's cores, with
+        ``leave_cleanup_to_cupycomm`` the :attr:`cleanup_options`, and with ``survivors``
+        those that let ranks go on past a lost one (``init(on_peer_loss="raise")``: Open
+        MPI's ``--with-ft ulfm --mca btl tcp,self ...``; ValueError for a launcher that
+        cannot).
 
         Example::
 
@@ -166,8 +177,12 @@ class Launcher:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"Launcher.command: n must be a number of ranks >= 1, got {n!r}")
         row = KINDS[self.kind]
+        if survivors and not row.survivors:
+            raise ValueError(f"Launcher.command: {self.executable} ({self.kind}) cannot let "
+                             f"ranks go on past a lost one; Open MPI 5's mpiexec can (with "
+                             f"--with-ft ulfm)")
         argv = [self.executable, *(row.cleanup if leave_cleanup_to_cupycomm else ()),
-                "-n", str(n)]
+                *(row.survivors if survivors else ()), "-n", str(n)]
         if n > _cores():
             argv += row.oversubscribe
         return argv

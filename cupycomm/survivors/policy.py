@@ -20,17 +20,17 @@ from __future__ import annotations
 import os
 import re
 
-from ..run.launchers import library_kind
+from ..run.launchers import KINDS, library_kind
 
-__all__ = ["MODES", "FLAGS", "check_mode", "choose", "raising", "unsupported"]
+__all__ = ["MODES", "NEEDED", "FLAGS", "check_mode", "choose", "raising", "unsupported"]
 
 MODES = ("abort", "raise")
-#: What ``mpiexec`` (Open MPI 5) needs to let survivors go on: ULFM, and the TCP transport,
-#: without which a rank's non-zero exit or ``MPI_Abort`` is not reported to the survivors
-#: (PRRTE reports that ending as PMIX_ERR_EXIT_NONZERO_TERM, which ULFM does not listen for).
-FLAGS = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self")
+#: What Open MPI 5's ``mpiexec`` is given to let survivors go on (the launcher table's, which
+#: says why each): ULFM, the TCP transport, no fence at the start of MPI_Finalize.
+FLAGS = KINDS["openmpi"].survivors
+NEEDED = FLAGS[:5]   # ULFM and the TCP transport: what the refusal names
 
-_raising = False   # this process's mode: the first init() chose it
+_raising = False   # this process's mode, set by init()
 
 
 def check_mode(value: object) -> str:
@@ -45,8 +45,8 @@ def unsupported(library_version: str) -> str:
     """Why this process's MPI (``MPI.Get_library_version()``) cannot let survivors go on, or
     '' where it can."""
     needed = (f"on_peer_loss='raise' needs MPI's fault tolerance (ULFM): Open MPI 5 with "
-              f"mpi4py >= 4.1, started with `mpiexec {' '.join(FLAGS)}` (or python -m "
-              f"cupycomm.run --on-peer-loss raise)")
+              f"mpi4py >= 4.1, started with `mpiexec {' '.join(NEEDED)}` (or python -m "
+              f"cupycomm.run --survivors)")
     from mpi4py import MPI
     kind = library_kind(library_version)
     if not hasattr(MPI.Comm, "Revoke"):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..run import exit_records
+
 if TYPE_CHECKING:
     from ..communicator import Communicator
     from .state import Survival
@@ -34,6 +36,7 @@ def shrink(comm: "Communicator", survival: "Survival") -> "Communicator":
     router = comm.parts.router
     had_device = router.device is not None
     successor = survival.successor()
+    exit_records.note_survived(survival.lost or ())   # cupycomm.run: the program recovered
     retire(comm, survival)
     shrunk = Communicator.create(successor, name=f"{comm.name}-shrunk", timeout=comm.timeout,
                                  device=router.device_choice, device_module=router.cupy,
@@ -50,4 +53,5 @@ def retire(comm: "Communicator", survival: "Survival") -> None:
         if child_survival is not None and not child.closed:
             retire(child, child_survival)
     survival.discard()
+    survival.revoke()
     comm._retire()

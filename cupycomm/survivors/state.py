@@ -10,7 +10,7 @@ communicator is ready for :meth:`Survival.successor`.
 
 Example (4 ranks, world rank 1 killed)::
 
-    survival = survival_for(mpi_comm, tracker)
+    survival = survival_for(mpi_comm, tracker, router)
     error = survival.lose("all_reduce", 7)   # on every survivor
     error.ranks, survival.failed_ranks()     # (1,), [1]
 """
@@ -29,12 +29,13 @@ from .lost import FAILURES, enlist
 __all__ = ["Survival", "survival_for", "world_ranks"]
 
 
-def survival_for(mpi_comm: MPI.Comm, tracker: Any) -> Optional["Survival"]:
-    """The state of a new communicator over ``mpi_comm`` (watched by ``tracker``) where this
-    process survives losses, its MPI errors translated from now on; None in "abort" mode."""
+def survival_for(mpi_comm: MPI.Comm, tracker: Any, router: Any) -> Optional["Survival"]:
+    """The state of a new communicator over ``mpi_comm`` (watched by ``tracker``, its
+    backends in ``router``) where this process survives losses, its MPI errors translated
+    from now on; None in "abort" mode."""
     if not policy.raising():
         return None
-    survival = Survival(mpi_comm)
+    survival = Survival(mpi_comm, router)
     enlist(tracker, survival)
     return survival
 
@@ -53,8 +54,9 @@ def world_ranks(mpi_comm: MPI.Comm) -> Tuple[int, ...]:
 class Survival:
     """What a communicator of the "raise" mode knows of its lost peers; see the module."""
 
-    def __init__(self, mpi_comm: MPI.Comm) -> None:
+    def __init__(self, mpi_comm: MPI.Comm, router: Any) -> None:
         self._mpi = mpi_comm
+        self._router = router
         self.world_ranks = world_ranks(mpi_comm)
         self.lost: Optional[Tuple[int, ...]] = None   # world ranks, once a loss was seen
         self._successor: Optional[MPI.Comm] = None    # the survivors, shrunk at that loss
@@ -64,16 +66,16 @@ class Survival:
     def lose(self, call: str, seq: int, also: Optional[MPI.Comm] = None) -> PeerLost:
         """The PeerLost of ``call`` #``seq``, after (the first time) revoking the
         communicator (and ``also``) and shrinking it to the survivors: collective over them."""
-        if self.lost is None:
+        lost = self.lost
+        if lost is None:
             for comm in (self._mpi, also):
                 if comm is not None and not comm.Is_revoked():
                     comm.Revoke()
             self._successor = self._mpi.Shrink()
-            kept = set(world_ranks(self._successor))
-            self.lost = tuple(r for r in self.world_ranks if r not in kept)
-        return PeerLost(f"{call} #{seq}: lost world rank(s) {list(self.lost)} of "
+            lost = self._note_lost(self._successor)
+        return PeerLost(f"{call} #{seq}: lost world rank(s) {list(lost)} of "
                         f"{len(self.world_ranks)}; the survivors may comm.shrink() and go on",
-                        ranks=self.lost, call=call, seq=seq)
+                        ranks=lost, call=call, seq=seq)
 
     def failed_ranks(self) -> List[int]:
         """The world ranks known here to be lost: those every survivor agreed on at the
@@ -110,9 +112,25 @@ class Survival:
                 self._mpi.Revoke()
             successor = self._mpi.Shrink()
             if self.lost is None:
-                kept = set(world_ranks(successor))
-                self.lost = tuple(r for r in self.world_ranks if r not in kept)
+                self._note_lost(successor)
         return successor
+
+    def _note_lost(self, successor: MPI.Comm) -> Tuple[int, ...]:
+        """The lost ranks: those not in ``successor``. The NCCL communicator, if any, is
+        aborted now on every survivor, never destroyed (its collectives would wait for the
+        lost ranks; cupycomm/testing/standin.py rule 21)."""
+        kept = set(world_ranks(successor))
+        self.lost = tuple(r for r in self.world_ranks if r not in kept)
+        device = self._router.device
+        if device is not None:
+            device.abort(f"world rank(s) {list(self.lost)} lost", peer_lost=True)
+        return self.lost
+
+    def revoke(self) -> None:
+        """Revoke the MPI communicator (shrink() retires it): Open MPI's MPI_Finalize waits
+        for ever on a communicator of a lost rank that was freed unrevoked."""
+        if not self._mpi.Is_revoked():
+            self._mpi.Revoke()
 
     def discard(self) -> None:
         """Free a successor that was made and never taken (the communicator closes)."""

@@ -98,6 +98,12 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     Runtime API, cudaGetLastError: the last error of any runtime call in the host thread,
     reset by the call; CuPy v14.2.0 ``cupy_backends/cuda/api/runtime.pyx``: ``check_status``
     calls cudaGetLastError before raising, as ``_deviceEnsurePeerAccess`` does for 704].
+21. A communicator that lost a member (its process died: under MPI's ULFM, a member in its
+    MPI communicator's failed group; tests set ``member_lost``) is aborted, never destroyed:
+    ncclCommDestroy waits for the peers, and after an abortive shrink NCCL >= 2.31 hangs in
+    it [pytorch#194679; NCCL's user guide, "Fault Tolerance" and ncclCommShrink: with
+    NCCL_SHRINK_ABORT the parent communicator is to be aborted]. ``freed_by`` says which call
+    ended a communicator.
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -121,6 +127,8 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 from mpi4py import MPI
+
+from ..survivors.policy import unsupported
 
 DEVICE_COUNT = 1
 NO_WORK = False
@@ -909,6 +917,9 @@ _AVG = 4
 # Stand-in traffic travels on its own duplicate of the world: every rank imports this module.
 _WORLD = MPI.COMM_WORLD.Dup()
 _ids = itertools.count()
+# Under MPI's ULFM (Open MPI's mpiexec --with-ft ulfm) processes may die and the others go on:
+# the members of a communicator then meet as NCCL's do, without the world's communicator.
+_ULFM = not unsupported(MPI.Get_library_version())
 # NCCL's group state is per thread: (stream pointer, issue, communicator) of each call of this
 # thread's open group in ``calls``, how deeply groups nest in ``depth`` (rule 15)
 _groups = threading.local()
@@ -994,6 +1005,20 @@ def _duplicate_gpu(gpus: list) -> str:
     return ""
 
 
+def _receive_any(tag: int) -> Any:
+    """A message with ``tag`` from any rank of the world. NCCL's bootstrap hears only the
+    members: a dead process of the job that is no member does not stop it. Under MPI's ULFM
+    an any-source receive fails while a failure is not acknowledged, so it is, and the
+    receive goes on."""
+    while True:
+        try:
+            return _WORLD.recv(source=MPI.ANY_SOURCE, tag=tag)
+        except MPI.Exception as error:
+            if error.Get_error_class() != getattr(MPI, "ERR_PROC_FAILED", None):
+                raise
+            _WORLD.Ack_failed()
+
+
 class NcclCommunicator:
     """cupy.cuda.nccl.NcclCommunicator over MPI on host memory (see the module docstring)."""
 
@@ -1016,6 +1041,9 @@ class NcclCommunicator:
         self._user: Optional[int] = None      # the thread of the last call
         self._grouping: Optional[int] = None  # the thread whose open group has a call of it
         self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
+        self.member_lost: Optional[str] = None   # tests set it to model a member's death
+        self.unique_id = bytes(commId)   # what the members met by (tests compare them)
+        self.freed_by = ""   # "ncclCommDestroy" or "ncclCommAbort", once ended (rule 21)
 
     @staticmethod
     def _meet(ndev: int, host: int, counter: int, rank: int, gpu: tuple) -> MPI.Comm:
@@ -1027,7 +1055,7 @@ class NcclCommunicator:
         if me == host:
             members = {rank: (me, gpu)}
             for _ in range(ndev - 1):
-                their_rank, their_world, their_gpu = _WORLD.recv(source=MPI.ANY_SOURCE, tag=tag)
+                their_rank, their_world, their_gpu = _receive_any(tag)
                 members[their_rank] = (their_world, their_gpu)
             order = [members[r][0] for r in range(ndev)]
             answer = (order, _duplicate_gpu([members[r][1] for r in range(ndev)]))
@@ -1040,7 +1068,11 @@ class NcclCommunicator:
         order, duplicate = answer
         if duplicate:
             raise NcclError(f"stand-in: ncclInvalidUsage: {duplicate}", status=5)
-        return _WORLD.Create_group(_WORLD.Get_group().Incl(order), tag)
+        group = _WORLD.Get_group().Incl(order)
+        if _ULFM:   # a rank that knows of a dead process fails MPI_Comm_create_group on _WORLD
+            return MPI.Intracomm.Create_from_group(group, f"cupycomm.standin.{host}.{counter}",
+                                                   errhandler=MPI.ERRORS_RETURN)
+        return _WORLD.Create_group(group, tag)
 
     # -- queries and lifetime
     def rank_id(self) -> int:
@@ -1086,9 +1118,25 @@ class NcclCommunicator:
                                 f"{self._inside[0]} on this communicator (NCCL reads "
                                 f"the memory {call} frees)", status=5)
             self._alive = False
+            self.freed_by = call
+
+    def _lost_member(self) -> str:
+        """What says that a member of this communicator died, or '' (rule 21)."""
+        if self.member_lost:
+            return self.member_lost
+        failed = self._comm.Get_failed()   # ULFM's; always empty under an MPI without it
+        try:
+            return f"{failed.Get_size()} member(s) failed" if failed.Get_size() else ""
+        finally:
+            failed.Free()
 
     def destroy(self) -> None:
         if self._alive:
+            lost = self._lost_member()
+            if lost:
+                raise NcclError(f"stand-in: ncclCommDestroy on a communicator that lost a "
+                                f"member ({lost}) hangs (NCCL >= 2.31 after an abortive "
+                                f"shrink, pytorch#194679): abort it (ncclCommAbort)", status=5)
             self._free("ncclCommDestroy")
             self._comm.Free()
 
@@ -1104,6 +1152,7 @@ class NcclCommunicator:
         split = object.__new__(NcclCommunicator)
         split._comm, split._rank, split._size = sub, sub.Get_rank(), sub.Get_size()
         split._device, split._alive, split.async_error = self._device, True, None
+        split.member_lost, split.freed_by, split.unique_id = None, "", b""
         split._last = split._user = split._grouping = None
         split._inside, split._readers_lock = [], threading.Lock()
         return split

@@ -194,6 +194,25 @@ def test_a_destroyed_or_aborted_communicator_refuses_every_call():
         getattr(comm, end)()                           # CuPy: a no-op on a NULL handle
 
 
+# -- a communicator that lost a member is aborted, never destroyed (rule 21) --------------------
+def test_a_communicator_that_lost_a_member_is_aborted_never_destroyed():
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    comm.member_lost = "rank 1 was killed"
+    with pytest.raises(sd.NcclError, match=r"ncclCommDestroy .*\(rank 1 was killed\).*"
+                                           r"pytorch#194679.*abort it"):
+        comm.destroy()
+    assert comm.freed_by == ""                 # still alive: refused before anything was freed
+    comm.abort()
+    assert comm.freed_by == "ncclCommAbort"
+    comm.destroy()                             # a no-op once aborted, as in CuPy
+
+
+def test_a_communicator_whose_members_all_live_is_destroyed():
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    comm.destroy()
+    assert comm.freed_by == "ncclCommDestroy"
+
+
 @pytest.mark.parametrize("bad, error", [(2.0, TypeError), (None, TypeError),
                                         (-1, OverflowError)], ids=["float", "None", "negative"])
 def test_arguments_are_converted_as_cupys_compiled_signatures_do(bad, error):

@@ -1,0 +1,146 @@
+"""Peer-loss scenarios, one per command line, run by tests/survivors/test_survivors.py under
+Open MPI's ``mpiexec --with-ft ulfm --mca btl tcp,self``:
+
+    mpiexec --with-ft ulfm --mca btl tcp,self -n 4 python tests/survivors/scenario.py sigkill DIR
+
+Every rank runs ``init(on_peer_loss="raise")`` and a first all_reduce; then the victim
+(world rank 1; in ``two``, rank 3 and then rank 1) ends as the case says, just after writing
+the time in ``DIR/fault-<rank>``. Each survivor catches PeerLost, agrees, shrinks, runs an
+all_reduce on the shrunk communicator and checks what the old one (and its subgroup, its
+bucket) does then; it writes what it saw, one JSON object per round, to
+``DIR/rank-<world rank>.json``, which the test compares with a NumPy reference. Cases:
+
+- ``sigkill``, ``exit0``, ``exit3``, ``abort`` (``MPI_Abort`` on ``COMM_SELF``): before the
+  second collective;
+- ``during``: SIGKILL while the victim waits inside the second collective (rank 0 comes late);
+- ``two``: rank 3 lost, shrink to 3, then world rank 1, shrink to 2;
+- ``no-shrink``: as ``sigkill``, but the survivors end after PeerLost without going on;
+- ``device``: as ``sigkill``, with device arrays on the NCCL stand-in
+  (cupycomm.testing.standin): the NCCL communicator is aborted, not destroyed, and the
+  shrunk one is made from a new unique id, of the survivors only.
+
+A victim never ends by raising: under ULFM its MPI_Finalize would wait for ever (mpi4py's
+own ULFM tests kill instead).
+"""
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import cupycomm
+
+
+def progress(directory: str, what: str) -> None:
+    """Append ``what`` to ``DIR/progress-<world rank>``: where a hung job's ranks got to."""
+    with open(os.path.join(directory, f"progress-{MPI.COMM_WORLD.Get_rank()}"), "a") as f:
+        f.write(f"{time.time():.3f} {what}\n")
+
+
+def fault(case: str, directory: str) -> None:
+    """End this rank as ``case`` says, after writing the time in ``DIR/fault-<rank>``."""
+    with open(os.path.join(directory, f"fault-{MPI.COMM_WORLD.Get_rank()}"), "w") as f:
+        f.write(repr(time.time()))
+    if case == "exit0":
+        os._exit(0)
+    elif case == "exit3":
+        os._exit(3)
+    elif case == "abort":
+        MPI.COMM_SELF.Abort(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def survive(comm, case, directory, victim, xp):
+    """One round: the victim ends (else this rank waits in all_reduce #2 until PeerLost),
+    and the survivors shrink; returns the shrunk communicator and what this rank saw."""
+    me = comm.world_ranks[comm.rank]
+    sub = comm.split(comm.rank % 2)     # made before the loss: refused after the shrink
+    bucket = comm.bucket([np.ones(3)])
+    x = np.full(4, me + 1.0)   # host arrays: the device case's loss is seen by MPI
+    if me == victim and case != "during":
+        fault(case, directory)
+    elif me == victim:
+        threading.Timer(0.3, fault, (case, directory)).start()   # inside the collective
+    elif case == "during" and comm.rank == 0:
+        time.sleep(0.6)   # the victim waits inside all_reduce #2 when it is killed
+    seen = {}
+    progress(directory, f"all_reduce, victim {victim}")
+    try:
+        comm.all_reduce(x)
+        seen["raised"] = None
+    except cupycomm.PeerLost as lost:
+        seen.update(raised="PeerLost", ranks=list(lost.ranks), call=lost.call, seq=lost.seq)
+    progress(directory, f"raised {seen['raised']}")
+    seen["failed_ranks"] = comm.failed_ranks()
+    seen["agree_true"] = comm.agree(True)
+    seen["agree_mixed"] = comm.agree(me != min(r for r in comm.world_ranks if r != victim))
+    old_device = comm.parts.router.device
+    progress(directory, "agreed")
+    shrunk = comm.shrink()
+    y = np.asarray(getattr(xp, "asnumpy", np.asarray)(
+        shrunk.all_reduce(xp.asarray(np.full(4, me + 1.0)))))
+    good = time.time()
+    progress(directory, "shrunk and reduced")
+    with open(os.path.join(directory, f"fault-{victim}")) as f:
+        seen["fault_to_good"] = good - float(f.read())
+    seen.update(size=shrunk.size, rank=shrunk.rank, world_ranks=list(shrunk.world_ranks),
+                result=y.tolist())
+    refusals = {"all_reduce": lambda: comm.all_reduce(np.ones(2)),
+                "all_reduce avg": lambda: comm.all_reduce(np.ones(2), op="avg"),
+                "barrier": comm.barrier, "agree": lambda: comm.agree(True),
+                "subgroup": lambda: sub.all_reduce(np.ones(2)),
+                "bucket": bucket.all_reduce, "shrink": comm.shrink}
+    seen["refused"] = {}
+    for name, call in refusals.items():
+        try:
+            call()
+            seen["refused"][name] = None
+        except cupycomm.CommClosedError as error:
+            seen["refused"][name] = f"{type(error).__name__}: {error}"
+    if old_device is not None:
+        old, new = old_device._comm, shrunk.parts.router.device._comm
+        seen["device"] = {"old_freed_by": old.freed_by, "new_freed_by": new.freed_by,
+                          "new_size": new.size(), "new_rank": new.rank_id(),
+                          "new_members": _world_ranks(new._comm),
+                          "new_id": new.unique_id.hex(), "old_id": old.unique_id.hex()}
+    return shrunk, seen
+
+
+def _world_ranks(mpi_comm):
+    group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+
+
+def main(case: str, directory: str) -> None:
+    options = {}
+    xp = np
+    if case == "device":
+        from cupycomm.testing import standin
+        options["device_module"] = xp = standin
+    progress(directory, "started")
+    comm = cupycomm.init(on_peer_loss="raise", timeout=60, **options)
+    comm.all_reduce(xp.asarray(np.ones(2)))   # on the device too: the NCCL communicator
+    if case == "no-shrink":   # the survivors end after PeerLost, without going on
+        if comm.rank == 1:
+            fault("sigkill", directory)
+        try:
+            comm.all_reduce(np.ones(2))
+        except cupycomm.PeerLost:
+            progress(directory, "raised PeerLost; ending without shrink()")
+        return
+    rounds = []
+    for victim in ((3, 1) if case == "two" else (1,)):
+        comm, seen = survive(comm, case, directory, victim, xp)
+        rounds.append(seen)
+    with open(os.path.join(directory, f"rank-{MPI.COMM_WORLD.Get_rank()}.json"), "w") as f:
+        json.dump(rounds, f)
+    comm.close()
+    progress(directory, "closed")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

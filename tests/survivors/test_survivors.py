@@ -1,0 +1,210 @@
+"""Survivors go on (cupycomm.survivors): each scenario of tests/survivors/scenario.py under
+Open MPI's ULFM (``mpiexec --with-ft ulfm --mca btl tcp,self``), bounded; every survivor's
+record is held against a NumPy reference made from every rank's known input. Elsewhere
+(MPICH, Intel MPI, Open MPI without ``--with-ft ulfm``) ``init(on_peer_loss="raise")`` must
+refuse, on every rank, naming what is needed.
+
+These tests start jobs of their own: they run in the single-process pass (mpiexec does not
+nest inside an mpiexec run) and skip under mpiexec on every rank.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from cupycomm.run import launchers
+from cupycomm.survivors import policy
+from cupycomm.run import job as run
+from cupycomm.testing import run_job, run_mpiexec
+
+pytestmark = pytest.mark.mpi(max_size=1)
+
+SCENARIO = str(Path(__file__).resolve().parent / "scenario.py")
+LIBRARY = launchers.library_kind(MPI.Get_library_version())
+ULFM = LIBRARY == "openmpi" and hasattr(MPI.Comm, "Revoke")
+needs_ulfm = pytest.mark.skipif(not ULFM, reason="survivors need Open MPI 5's ULFM: the "
+                                                 ".ci/run openmpi pass runs these")
+BOUND = 45.0   # seconds: a job of 4 ranks that loses one and ends (seconds on a quiet machine)
+
+
+def run_case(case, tmp_path, n=4):
+    job = run_mpiexec(n, SCENARIO, case, str(tmp_path), timeout=BOUND,
+                      mpiexec_args=list(policy.FLAGS))
+    assert not job.timed_out, f"the job hung:\n{job.output}\n" + "".join(
+        f"{path.name}:\n{path.read_text()}" for path in sorted(tmp_path.glob("progress-*")))
+    return job
+
+
+def records(tmp_path, survivors, job):
+    found = {}
+    for rank in survivors:
+        path = tmp_path / f"rank-{rank}.json"
+        assert path.exists(), f"survivor {rank} wrote nothing:\n{job.output}"
+        found[rank] = json.loads(path.read_text())
+    return found
+
+
+def check_round(seen, victim, members, job):
+    """Every survivor's view of one round, against what the victim and the survivors
+    (``members``: world ranks) imply."""
+    expected = np.sum([np.full(4, r + 1.0) for r in members], axis=0)
+    seqs = {s["seq"] for s in seen.values()}
+    assert len(seqs) == 1 and seqs.pop() >= 1, job.output
+    for rank, s in seen.items():
+        assert s["raised"] == "PeerLost", (rank, s, job.output)
+        assert s["ranks"] == [victim] and s["call"] == "all_reduce", (rank, s)
+        assert s["failed_ranks"] == [victim], (rank, s)
+        assert s["agree_true"] is True and s["agree_mixed"] is False, (rank, s)
+        assert s["size"] == len(members) and s["world_ranks"] == members, (rank, s)
+        assert s["rank"] == members.index(rank), (rank, s)
+        np.testing.assert_array_equal(s["result"], expected)
+        for call, refusal in s["refused"].items():
+            assert refusal is not None and refusal.startswith("CommShrunkError: ") \
+                and "shrunk after a peer was lost" in refusal, (rank, call, refusal)
+        assert s["fault_to_good"] < BOUND, (rank, s)
+
+
+@needs_ulfm
+@pytest.mark.parametrize("case", ["sigkill", "exit0", "exit3", "abort", "during"])
+def test_every_survivor_raises_peer_lost_shrinks_and_goes_on(case, tmp_path):
+    """World rank 1 of 4 ends (a signal, exit 0, exit 3, MPI_Abort on itself, a kill while it
+    waits inside the collective): ranks 0, 2, 3 each raise PeerLost naming rank 1, agree,
+    shrink to 3 and reduce correctly; the old communicator, its subgroup and bucket refuse."""
+    job = run_case(case, tmp_path)
+    found = records(tmp_path, (0, 2, 3), job)
+    check_round({rank: rounds[0] for rank, rounds in found.items()}, 1, [0, 2, 3], job)
+
+
+@needs_ulfm
+def test_two_ranks_lost_one_after_the_other(tmp_path):
+    job = run_case("two", tmp_path)
+    found = records(tmp_path, (0, 2), job)
+    assert not (tmp_path / "rank-3.json").exists() and not (tmp_path / "rank-1.json").exists()
+    check_round({0: found[0][0], 2: found[2][0]}, 3, [0, 1, 2], job)
+    check_round({0: found[0][1], 2: found[2][1]}, 1, [0, 2], job)
+
+
+@needs_ulfm
+def test_the_device_side_aborts_the_nccl_communicator_and_makes_one_of_the_survivors(tmp_path):
+    """On the NCCL stand-in: the old NCCL communicator is aborted on every survivor, never
+    destroyed (stand-in rule 21), and the shrunk communicator's is made from a new unique id,
+    the same on each survivor, of ranks 0, 2, 3 only; its all_reduce is right."""
+    job = run_case("device", tmp_path)
+    found = records(tmp_path, (0, 2, 3), job)
+    check_round({rank: rounds[0] for rank, rounds in found.items()}, 1, [0, 2, 3], job)
+    devices = {rank: rounds[0]["device"] for rank, rounds in found.items()}
+    for rank, d in devices.items():
+        assert d["old_freed_by"] == "ncclCommAbort" and d["new_freed_by"] == "", (rank, d)
+        assert d["new_size"] == 3 and d["new_members"] == [0, 2, 3], (rank, d)
+        assert d["new_rank"] == [0, 2, 3].index(rank), (rank, d)
+        assert d["new_id"] != d["old_id"], (rank, d)
+    assert len({d["new_id"] for d in devices.values()}) == 1, devices
+
+
+@needs_ulfm
+@pytest.mark.parametrize("case, recovered", [("exit3", True), ("no-shrink", False)])
+def test_cupycomm_run_says_whether_the_program_recovered(case, recovered, tmp_path):
+    """``python -m cupycomm.run --survivors``: the lost rank is named; the status is 0 only
+    where every survivor went on without it (shrink()), whatever mpiexec said (3 here, for
+    the victim's exit 3; 0 after a SIGKILL)."""
+    job = run_job(4, SCENARIO, case, str(tmp_path), timeout=BOUND, options=["--survivors"])
+    assert not job.timed_out, job.output
+    if recovered:
+        assert job.returncode == 0, job.output
+        assert "rank 1 (host" in job.output and ") lost: ranks 0, 2, 3 went on without it " \
+            "(comm.shrink()) and finished; mpiexec exited 3" in job.output, job.output
+    else:
+        assert job.returncode != 0, job.output
+        assert "rank 1 (host" in job.output and "ended without finishing" in job.output, \
+            job.output
+
+
+def record(rank, state, survived=()):
+    return {"rank": rank, "state": state, "node": "a", "pid": 100 + rank, "detail": "",
+            "survived": list(survived)}
+
+
+@pytest.mark.parametrize("records, status, says", [
+    ([record(0, "ended", [1]), record(1, "running"), record(2, "ended", [1])], 0,
+     "rank 1 (host a, pid 101) lost: ranks 0, 2 went on without it (comm.shrink()) and "
+     "finished; mpiexec exited 3"),
+    ([record(0, "ended", [1]), record(1, "running"), record(2, "ended")], 3,
+     "rank 1 (host a, pid 101) ended without finishing"),
+    ([record(0, "ended", [1, 2]), record(1, "running"), record(2, "running")], 0,
+     "went on without them"),
+    ([record(0, "ended", [1]), record(1, "running"), None], 3, "rank 2 never called"),
+    ([record(0, "raised", [1]), record(1, "running"), record(2, "ended", [1])], 3,
+     "rank 0 (host a, pid 100) raised"),
+], ids=["recovered", "one-survivor-did-not-go-on", "two-lost", "one-never-started", "raised"])
+def test_the_verdict_is_zero_only_where_every_survivor_went_on(records, status, says):
+    got, line = run.verdict(records, 3)
+    assert got == status and says in line, (got, line)
+
+
+@pytest.mark.skipif(ULFM and policy.unsupported(MPI.Get_library_version()) == "",
+                    reason="this process runs under ULFM, where the raise mode is allowed")
+def test_the_raise_mode_is_refused_where_the_mpi_cannot_survive_a_loss(tmp_path):
+    """MPICH, Intel MPI, Open MPI without --with-ft ulfm: init refuses on every rank, naming
+    the MPI and what is needed, and no rank is left waiting."""
+    program = tmp_path / "refused.py"
+    program.write_text(
+        "import cupycomm\n"
+        "try:\n"
+        "    cupycomm.init(on_peer_loss='raise')\n"
+        "except RuntimeError as error:\n"
+        "    print('refused:', error, flush=True)\n"
+        "comm = cupycomm.init()\n"
+        "print('rank', comm.rank, 'abort mode', comm.agree(True), comm.failed_ranks())\n")
+    job = run_mpiexec(2, str(program), timeout=60)
+    assert job.returncode == 0 and not job.timed_out, job.output
+    assert job.output.count("refused: init: on_peer_loss='raise' needs MPI's fault "
+                            "tolerance (ULFM)") == 2, job.output
+    assert "--with-ft ulfm --mca btl tcp,self" in job.output
+    named = {"mpich": "MPICH has none", "intelmpi": "Intel MPI has none",
+             "openmpi": "started without it"}.get(LIBRARY, "this MPI has none")
+    assert named in job.output, job.output
+    assert job.output.count("abort mode True []") == 2, job.output
+
+
+@pytest.mark.parametrize("version, environ, says", [
+    ("MPICH Version:      4.2.0\nMPICH Release date: ...", {}, "MPICH has none"),
+    ("Intel(R) MPI Library 2021.13 for Linux* OS\n", {}, "Intel MPI has none"),
+    ("Open MPI v4.1.6, package: Open MPI ...", {"OMPI_MCA_mpi_ft_enable": "1"},
+     "this is 'Open MPI v4.1.6"),
+    ("Open MPI v5.0.11, package: Open MPI ...", {}, "started without it"),
+    ("Open MPI v5.0.11, package: Open MPI ...", {"OMPI_MCA_mpi_ft_enable": "0"},
+     "started without it"),
+    ("Open MPI v5.0.11, package: Open MPI ...", {"OMPI_MCA_mpi_ft_enable": "1"}, ""),
+])
+def test_which_mpi_can_survive_a_loss(monkeypatch, version, environ, says):
+    monkeypatch.delenv("OMPI_MCA_mpi_ft_enable", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    reason = policy.unsupported(version)
+    if says:
+        assert says in reason and "--with-ft ulfm --mca btl tcp,self" in reason, reason
+    else:
+        assert reason == ""
+
+
+@pytest.mark.parametrize("bad", ["ignore", "", None, 1])
+def test_a_mode_that_is_not_one_is_named(bad):
+    with pytest.raises(ValueError, match=r"init: on_peer_loss must be one of 'abort', "
+                                         r"'raise', got " + repr(bad).replace("'", "'")):
+        policy.check_mode(bad)
+
+
+def test_the_launcher_knows_the_survivors_options():
+    launcher = launchers.find()
+    if launchers.KINDS[launcher.kind].survivors:
+        argv = launcher.command(3, survivors=True)
+        assert argv[1:9] == list(policy.FLAGS) and argv[9:11] == ["-n", "3"], argv
+        assert list(policy.NEEDED) == ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]
+    else:
+        with pytest.raises(ValueError, match=r"cannot let ranks go on past a lost one; "
+                                             r"Open MPI 5's mpiexec can"):
+            launcher.command(3, survivors=True)
+        job = run_job(2, "--", "true", timeout=60, options=["--survivors"])
+        assert job.returncode == 2 and "--survivors: " in job.output, job.output
