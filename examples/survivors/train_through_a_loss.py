@@ -120,7 +120,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # Under ULFM, MPI_Finalize after a loss may wait for ever (open-mpi/ompi#11404; seen here
-    # about one run in five): the survivors end without it, once their output is out.
-    sys.stdout.flush()
-    os._exit(0)

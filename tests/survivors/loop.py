@@ -1,21 +1,22 @@
 """A cupycomm.resilient loop that loses ranks, for tests/survivors/test_resilient.py: run under
 ``mpiexec --with-ft ulfm --mca btl tcp,self``.
 
-    python loop.py --steps 8 --kill 3@2 --kill 1@5 [--min-size N] [--max-failures N]
+    python loop.py --steps 8 --kill 3@2 --kill 1@5 [--min-size N] [--max-failures N] [--device]
 
 Each step adds the sum over the ranks of ones (the communicator's size) to a committed
-total; ``--kill R@S`` makes world rank R kill itself (SIGKILL) first thing in step S, so the
+total (with ``--device``, also to one on the device, the NCCL stand-in, whose communicator
+the shrink replaces and over which the state is synced); ``--kill R@S`` makes world rank R kill itself (SIGKILL) first thing in step S, so the
 survivors retry step S on one rank fewer. Rank 0 of those that finish prints the total and
 the one expected from the kills; on TooFewSurvivors every survivor prints what it caught.
 """
 import argparse
 import os
 import signal
-import sys
 
 import numpy as np
 
 import cupycomm
+from cupycomm.testing import standin
 
 
 def main():
@@ -24,22 +25,28 @@ def main():
     parser.add_argument("--kill", action="append", default=[], help="RANK@STEP")
     parser.add_argument("--min-size", type=int, default=1)
     parser.add_argument("--max-failures", type=int, default=None)
+    parser.add_argument("--device", action="store_true")
     args = parser.parse_args()
     kills = [tuple(map(int, k.split("@"))) for k in args.kill]   # (rank, step)
-    comm = cupycomm.init(on_peer_loss="raise")
+    comm = cupycomm.init(on_peer_loss="raise", device_module=standin if args.device else None)
     me, size = comm.rank, comm.size
+    values = {"total": np.zeros(1)}
+    if args.device:
+        values["on_device"] = standin.asarray(np.zeros(1))
     shrinks = []
 
     def step(comm, state, i):
         if (me, i) in kills:
             os.kill(os.getpid(), signal.SIGKILL)
-        state.total += comm.all_reduce(np.ones(1))
+        state.total += comm.all_reduce(np.ones(1))   # a loss is seen here, by MPI
+        if args.device:
+            state.on_device += comm.all_reduce(standin.asarray(np.ones(1)))
 
     def on_shrink(comm, state, lost):
         shrinks.append((lost, comm.size, state.completed))
 
     try:
-        comm, state = cupycomm.resilient(step, cupycomm.State(total=np.zeros(1)), comm,
+        comm, state = cupycomm.resilient(step, cupycomm.State(**values), comm,
                                          steps=args.steps, min_size=args.min_size,
                                          max_failures=args.max_failures, on_shrink=on_shrink)
     except cupycomm.TooFewSurvivors as stop:
@@ -47,6 +54,8 @@ def main():
               f"step {stop.state.completed}, total {stop.state.total[0]:g}: {stop}", flush=True)
         return
     sizes = [size - sum(1 for _, s in kills if s <= i) for i in range(args.steps)]
+    if args.device:
+        assert float(standin.asnumpy(state.on_device)[0]) == sum(sizes), state.on_device
     if comm.rank == 0:
         print(f"finished on {comm.size} ranks {comm.world_ranks}: total {state.total[0]:g}, "
               f"expected {sum(sizes)}; shrinks {shrinks}", flush=True)
@@ -54,5 +63,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()   # and no MPI_Finalize, as the example explains
-    os._exit(0)

@@ -1,8 +1,9 @@
-"""cupycomm.resilient losing ranks for real: jobs under Open MPI 5's ULFM (``mpiexec
---with-ft ulfm --mca btl tcp,self``), each bounded, in which ranks kill themselves (SIGKILL)
-at given steps. The survivors must finish with the result of the ranks that were left at
-each step, or all stop alike with TooFewSurvivors; and the training example must end with
-the final loss of an uninterrupted 3-rank run from the state of the step of the kill.
+"""cupycomm.resilient losing ranks for real: jobs under Open MPI 5's ULFM (``python -m
+cupycomm.run --survivors``: ``mpiexec --with-ft ulfm --mca btl tcp,self ...``), each bounded,
+in which ranks kill themselves (SIGKILL) at given steps. The survivors must finish with the
+result of the ranks that were left at each step, or all stop alike with TooFewSurvivors, and
+the job exit 0 naming the lost ranks; the training example must end with the final loss of
+an uninterrupted 3-rank run from the state of the step of the kill.
 
 These start jobs of their own, so they run in the single-process pass (under mpiexec they
 skip on every rank); elsewhere than Open MPI 5 they skip, saying so (the refusals there are
@@ -14,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from cupycomm.run import launchers
-from cupycomm.survivors import policy
-from cupycomm.testing import run_mpiexec
+from cupycomm.testing import run_job
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
@@ -31,21 +31,35 @@ needs_ulfm = pytest.mark.skipif(not ULFM, reason=f"needs Open MPI 5's mpiexec (U
 
 
 def ulfm_job(n, *args):
-    job = run_mpiexec(n, *args, timeout=TIMEOUT, mpiexec_args=list(policy.FLAGS))
+    job = run_job(n, *args, timeout=TIMEOUT, options=["--survivors"])
     assert not job.timed_out, f"the job hung:\n{job.output}"
+    assert job.returncode == 0, job.output
     return job
 
 
+def went_on_without(job, lost):
+    """cupycomm.run's verdict: the ranks ``lost`` named, the others went on and finished."""
+    assert re.search(r"cupycomm\.run: .*lost: ranks [\d, ]+ went on without", job.stderr), \
+        job.output
+    for rank in lost:
+        assert f"rank {rank} (host" in job.stderr, job.output
+
+
 @needs_ulfm
-@pytest.mark.parametrize("kills, size_left", [(["3@2"], 3), (["0@0"], 3),
-                                              (["3@2", "1@5"], 2), (["1@3", "2@3"], 2)],
-                         ids=["one", "rank-0-first", "two-one-after-the-other", "two-at-once"])
-def test_the_survivors_finish_with_the_ranks_left_at_each_step(kills, size_left):
-    job = ulfm_job(4, LOOP, "--steps", "8", *[a for k in kills for a in ("--kill", k)])
+@pytest.mark.parametrize("kills, size_left, device", [
+    (["3@2"], 3, False), (["0@0"], 3, False), (["3@2", "1@5"], 2, False),
+    (["1@3", "2@3"], 2, False), (["3@2", "1@5"], 2, True)],
+    ids=["one", "rank-0-first", "two-one-after-the-other", "two-at-once", "device"])
+def test_the_survivors_finish_with_the_ranks_left_at_each_step(kills, size_left, device):
+    """With ``device``, the state also holds an array on the NCCL stand-in, synced over the
+    NCCL communicator that each shrink makes anew (loop.py asserts its total on every rank)."""
+    job = ulfm_job(4, LOOP, "--steps", "8", *[a for k in kills for a in ("--kill", k)],
+                   *(["--device"] if device else []))
     found = re.search(r"finished on (\d) ranks .*: total (\d+), expected (\d+)", job.stdout)
     assert found, job.output
     assert int(found[1]) == size_left, job.output
     assert found[2] == found[3], job.output
+    went_on_without(job, [int(k.split("@")[0]) for k in kills])
 
 
 @needs_ulfm
@@ -61,6 +75,7 @@ def test_every_survivor_stops_alike_with_too_few(options, survivors, why):
         assert re.search(f"world rank {rank} stopped: .*resilient: {why}", job.stdout), \
             job.output
     assert "finished on" not in job.stdout, job.output
+    went_on_without(job, [int(k.split("@")[0]) for k in options[1::2] if "@" in k])
 
 
 FINAL = re.compile(r"final loss ([\d.]+); parameters equal one-process training")
@@ -70,7 +85,6 @@ FINAL = re.compile(r"final loss ([\d.]+); parameters equal one-process training"
 def uninterrupted():
     """The example on 3 ranks from the 4-rank state after 5 steps, no rank lost."""
     job = ulfm_job(3, EXAMPLE, "--resume-at", "5")
-    assert job.returncode == 0, job.output
     assert FINAL.search(job.stdout), job.output
     return job
 
@@ -79,8 +93,8 @@ def uninterrupted():
 @pytest.mark.parametrize("kill_rank", [1, 0])
 def test_the_example_ends_with_the_loss_of_an_uninterrupted_3_rank_run(kill_rank,
                                                                        uninterrupted):
-    """mpiexec's status is not checked: Open MPI's is 0 after a SIGKILLed rank."""
     killed = ulfm_job(4, EXAMPLE, "--kill-rank", str(kill_rank), "--kill-at", "5")
+    went_on_without(killed, [kill_rank])
     assert f"world rank(s) {kill_rank} lost; 3 ranks go on from step 5" in killed.stdout, \
         killed.output
     assert re.search(r"time from the kill to the next completed step: [\d.]+ ms",
