@@ -167,5 +167,5 @@ def _check(step: Any, state: Any, comm: Any, steps: Any, min_size: Any, max_fail
     if not policy.raising():
         raise RuntimeError("resilient: losing a peer ends this job (init(on_peer_loss="
                            "'abort'), the default): call cupycomm.init(on_peer_loss='raise') "
-                           "under Open MPI 5 started with `mpiexec "
-                           f"{' '.join(policy.FLAGS)}`")
+                           "under Open MPI 5, started with `python -m cupycomm.run "
+                           f"--survivors` (mpiexec {' '.join(policy.FLAGS)})")

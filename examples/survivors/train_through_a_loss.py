@@ -3,8 +3,11 @@ one gradient step per batch, on 4 ranks of which one kills itself (SIGKILL) at a
 the 3 survivors shrink the communicator, take the last committed parameters from the lowest
 surviving rank, retry that step and finish (cupycomm.resilient).
 
-    mpiexec --with-ft ulfm --mca btl tcp,self -n 4 \\
-        python examples/survivors/train_through_a_loss.py --kill-rank 1 --kill-at 5
+    python -m cupycomm.run --survivors -n 4 \\
+        examples/survivors/train_through_a_loss.py --kill-rank 1 --kill-at 5
+
+(``--survivors``: Open MPI 5's ``mpiexec --with-ft ulfm --mca btl tcp,self --mca
+async_mpi_finalize 1``; the job exits 0 if the survivors went on without the lost rank.)
 
 Rank 0 of the survivors prints the final loss, checks that the parameters equal those of one
 process trained on the same global batches (all 4 shards before the kill, the survivors' 3

@@ -1,5 +1,5 @@
 """A cupycomm.resilient loop that loses ranks, for tests/survivors/test_resilient.py: run under
-``mpiexec --with-ft ulfm --mca btl tcp,self``.
+Open MPI's ULFM (``python -m cupycomm.run --survivors -n 4 loop.py ...``).
 
     python loop.py --steps 8 --kill 3@2 --kill 1@5 [--min-size N] [--max-failures N] [--device]
 
