@@ -46,15 +46,17 @@ def went_on_without(job, lost):
 
 
 @needs_ulfm
-@pytest.mark.parametrize("kills, size_left, device", [
-    (["3@2"], 3, False), (["0@0"], 3, False), (["3@2", "1@5"], 2, False),
-    (["1@3", "2@3"], 2, False), (["3@2", "1@5"], 2, True)],
-    ids=["one", "rank-0-first", "two-one-after-the-other", "two-at-once", "device"])
-def test_the_survivors_finish_with_the_ranks_left_at_each_step(kills, size_left, device):
-    """With ``device``, the state also holds an array on the NCCL stand-in, synced over the
-    NCCL communicator that each shrink makes anew (loop.py asserts its total on every rank)."""
+@pytest.mark.parametrize("kills, size_left, options", [
+    (["3@2"], 3, []), (["0@0"], 3, []), (["3@2", "1@5"], 2, []), (["1@3", "2@3"], 2, []),
+    (["3@2", "1@5"], 2, ["--device"]), (["2@5"], 3, ["--commit-every", "3"])],
+    ids=["one", "rank-0-first", "two-one-after-the-other", "two-at-once", "device",
+         "commit-every-3"])
+def test_the_survivors_finish_with_the_ranks_left_at_each_step(kills, size_left, options):
+    """With ``--device``, the state also holds an array on the NCCL stand-in, synced over the
+    NCCL communicator that each shrink makes anew (loop.py asserts its total on every rank);
+    with ``--commit-every 3``, a loss at step 5 redoes steps 3 and 4 on the survivors."""
     job = ulfm_job(4, LOOP, "--steps", "8", *[a for k in kills for a in ("--kill", k)],
-                   *(["--device"] if device else []))
+                   *options)
     found = re.search(r"finished on (\d) ranks .*: total (\d+), expected (\d+)", job.stdout)
     assert found, job.output
     assert int(found[1]) == size_left, job.output
