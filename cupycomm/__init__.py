@@ -9,7 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, List
 
 from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, CommShrunkError,
-                     NcclError, PeerLost, TooFewSurvivors)
+                     LocalRankWarning, NcclError, PeerLost, TooFewSurvivors)
 
 if TYPE_CHECKING:
     from . import devices
@@ -26,7 +26,8 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Communicator", "ReduceOp", "Work", "DTYPES", "DEFAULT_TIMEOUT",
     "CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch", "NcclError",
-    "PeerLost", "TooFewSurvivors", "devices", "prefetch", "resilient", "State",
+    "PeerLost", "TooFewSurvivors", "LocalRankWarning", "devices", "prefetch", "resilient",
+    "State",
 ]
 
 # The module of each name imported at its first use. Importing mpi4py.MPI starts MPI, and the

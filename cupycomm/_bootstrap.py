@@ -12,10 +12,13 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
+from .errors import LocalRankWarning
+from .run import launchers
+
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["world", "node_comm", "node_name", "check_launch", "LocalRankWarning", "choose_device",
+__all__ = ["world", "node_comm", "node_name", "check_launch", "choose_device",
            "import_cupy", "broadcast_unique_id", "track_for_exit", "describe_rank", "exiting"]
 
 
@@ -41,23 +44,7 @@ def node_name() -> str:
             or socket.gethostname())
 
 
-# What each launcher tells its ranks: the number of ranks it started, and each rank's place
-# on its node (measured with srun 22.05, the MPICH 4, Intel MPI 2021 and Open MPI 5 wheels'
-# launchers; cupycomm.run.launchers.KINDS lists all they set). A launcher started from inside
-# another's rank (hydra's proxies under srun, say) leaves the outer one's variables beside its
-# own: the world must agree with one of them, not with all. The salloc/sbatch shell's
-# SLURM_NTASKS is the allocation's, not a job's: srun's is SLURM_STEP_NUM_TASKS.
-_SIZE_SAID_BY: Dict[str, str] = {
-    "OMPI_COMM_WORLD_SIZE": "Open MPI's mpiexec",
-    "PMI_SIZE": "a PMI launcher (MPICH's or Intel MPI's mpiexec, srun --mpi=pmi2)",
-    "SLURM_STEP_NUM_TASKS": "srun",
-}
-_LOCAL_RANK_SAID_BY = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 _local_rank_checked = False
-
-
-class LocalRankWarning(RuntimeWarning):
-    """The MPI library and the launcher disagree about a rank's place on its node."""
 
 
 def _said(environ: Mapping[str, str], names: Tuple[str, ...]) -> Dict[str, int]:
@@ -87,9 +74,11 @@ def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> Non
     """
     global _local_rank_checked
     size = world().Get_size()
-    sizes = _said(environ, tuple(_SIZE_SAID_BY))
+    said_by = launchers.job_variables("size")
+    sizes = _said(environ, tuple(said_by))
+    # the world must agree with one of them (a launcher inside another's rank), not with all
     if sizes and size not in sizes.values():
-        said = ", ".join(f"{name}={n} ({_SIZE_SAID_BY[name]})" for name, n in sizes.items())
+        said = ", ".join(f"{name}={n} ({said_by[name]})" for name, n in sizes.items())
         from mpi4py import MPI
         library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
         raise RuntimeError(
@@ -106,7 +95,8 @@ def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> Non
         return
     _local_rank_checked = True
     node = node_comm(comm)
-    mine = tuple(_said(environ, (name,)).get(name, -1) for name in _LOCAL_RANK_SAID_BY)
+    local_names = tuple(launchers.job_variables("local rank"))
+    mine = tuple(_said(environ, (name,)).get(name, -1) for name in local_names)
     seen = node.allgather(mine)
     on_node = node.Get_size()
     node.Free()
@@ -114,7 +104,7 @@ def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> Non
     # split (Open MPI's mpiexec does), which is harmless; what is not is MPI seeing fewer or
     # other ranks on this node than the launcher put there.
     numbered = {name: sorted(ids[i] for ids in seen)
-                for i, name in enumerate(_LOCAL_RANK_SAID_BY) if mine[i] >= 0}
+                for i, name in enumerate(local_names) if mine[i] >= 0}
     if numbered and all(ids != list(range(on_node)) for ids in numbered.values()):
         said = ", ".join(f"{name} {ids}" for name, ids in numbered.items())
         warnings.warn(

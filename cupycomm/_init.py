@@ -45,11 +45,13 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
             collective with matching arguments (default off; CUPYCOMM_DEBUG=1 turns it on).
         device_module: the module that provides device arrays, streams and NCCL; default
             CuPy. The test suite passes its host-memory NCCL stand-in here.
-        on_peer_loss: what a lost peer process does: ``"abort"`` (None: the default) ends the job,
-            naming it; ``"raise"``: collectives raise :class:`~cupycomm.errors.PeerLost` on
-            every survivor, which may ``comm.shrink()`` and go on. "raise" needs Open MPI 5
-            started with ``mpiexec --with-ft ulfm --mca btl tcp,self``; elsewhere it is
-            refused here (RuntimeError, on every rank). See :mod:`cupycomm.survivors`.
+        on_peer_loss: what a lost peer process does, in this process: ``"abort"`` (the
+            default) ends the job, naming it; ``"raise"``: collectives raise
+            :class:`~cupycomm.errors.PeerLost` on every survivor, which may
+            ``comm.shrink()`` and go on. None keeps what an earlier ``init()`` chose.
+            "raise" needs Open MPI 5 started with ``mpiexec --with-ft ulfm --mca btl
+            tcp,self``; elsewhere it is refused here (RuntimeError, on every rank). See
+            :mod:`cupycomm.survivors`.
 
     Example (2 ranks)::
 
@@ -69,7 +71,8 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
         if current is not None:
             return current
     timeout, debug = _settings(timeout, debug)
-    policy.choose(on_peer_loss or "abort", MPI.Get_library_version())
+    if on_peer_loss is not None:
+        policy.choose(on_peer_loss, MPI.Get_library_version())
     _install_process_hooks(abort_on_exception)
     parent = _parent(mpi_comm)
     _bootstrap.check_launch(parent)   # N singletons where the launcher started N: an error

@@ -26,8 +26,9 @@ Semantics shared by every method (documented here once):
   broadcasts and is gathered into shape ``(size,)``; it has no leading axis to split.
 
 How a call runs (for contributors; docs/internals.md has the whole story): the Communicator
-is a façade over its parts (``Parts``; ``_validate``, ``_dispatch``, ``_layouts``,
-``objects``). A call on NumPy arrays that passes the common-case test at the top of its
+is a façade over its parts (``_comm_parts.Parts``; ``_validate``, ``_dispatch``,
+``_layouts``, ``objects``), with subgroups in ``_subgroups`` and the ``batch()`` block in
+``batch``. A call on NumPy arrays that passes the common-case test at the top of its
 method runs the host backend's prepared call (``backends.mpi.PreparedCalls``; its tables
 ``_blocking`` and ``_started``), looked up inline: a shared helper would cost every call a
 frame. Anything else takes the general path (``Router.route``, the checks, the backend's
@@ -36,28 +37,25 @@ it does (``tests/backends/test_prepared.py``).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, ContextManager, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _bootstrap, _env, coalesce
+from . import _bootstrap, _env, _subgroups, coalesce
 from .faults import debug as _debug
+from ._comm_parts import Parts, watched
 from ._dispatch import Router
 from ._dtypes import ReduceOp
 from ._layouts import Layouts
 from ._parts import JoinedShapes, PartShapes
 from ._validate import Checks
-from .faults.board import NodeBoard
-from .faults.heartbeat import Heartbeats
-from .faults.watchdog import Tracker, unwatch, watch
-from .batch import Batch
-from .errors import PeerLost
+from .faults.watchdog import Tracker, unwatch
+from .batch import Batch, block
 from .backends.mpi import PreparedCalls
 from .objects import Objects
 from .survivors.shrink import shrink as _shrink
-from .survivors.state import Survival, survival_for, world_ranks
+from .survivors.state import survival_for, world_ranks
 from .work import Work
 
 __all__ = ["Communicator", "Parts", "DEFAULT_TIMEOUT"]
@@ -69,35 +67,6 @@ Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment v
 Op = Union[ReduceOp, str]
 _SUM = "sum"
 _HOST = np.ndarray   # arrays of exactly this type may take the prepared calls (see above)
-
-
-class Parts(NamedTuple):
-    """The parts of a :class:`Communicator` that cupycomm's own modules use (``coalesce``,
-    ``faults.debug``); not a public API."""
-
-    checks: Checks            # argument checks, the closed state and the open batch() block
-    router: Router            # the backends (host, device) and which one takes an array
-    tracker: Tracker          # the watchdog's view: calls counted, the call in progress
-    staging: coalesce.Staging   # all_reduce_coalesced's buffers, kept from call to call
-    survival: Optional[Survival]   # its lost peers (on_peer_loss="raise"), or None
-
-
-def _watched(mpi_comm: MPI.Comm, name: str, timeout: float) -> Tuple[Tracker, int]:
-    """(the watchdog's tracker for a communicator over ``mpi_comm``, this rank's local rank).
-
-    Collective: the ranks find those of their node, which open the node's board, and the
-    node leaders connect their heartbeats across nodes (with more than one rank); then the
-    watchdog looks at the tracker, its thread started by the first communicator."""
-    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-    node = _bootstrap.node_comm(mpi_comm)
-    board = NodeBoard(node, rank, mpi_comm) if size > 1 else None
-    beats = Heartbeats.connect(mpi_comm, node, board, name) if board is not None else None
-    local_rank = node.Get_rank()
-    node.Free()
-    tracker = Tracker(name, rank, size, timeout, board, beats)
-    if size > 1:
-        watch(tracker)
-    return tracker, local_rank
 
 
 class Communicator:
@@ -122,7 +91,7 @@ class Communicator:
                **options: Any) -> "Communicator":
         """A communicator over ``mpi_comm`` (which it owns from now on: it frees it on close),
         watched by the watchdog; collective. ``options`` are the constructor's."""
-        tracker, local_rank = _watched(mpi_comm, name, timeout)
+        tracker, local_rank = watched(mpi_comm, name, timeout)
         return cls(mpi_comm, tracker, local_rank, **options)
 
     def __init__(self, mpi_comm: MPI.Comm, tracker: Tracker, local_rank: int, *,
@@ -524,8 +493,7 @@ class Communicator:
         """``recv(buf, src, async_op=True)``: a Work whose ``wait()`` returns ``buf``."""
         return self.recv(buf, src, async_op=True, stream=stream)
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[Batch]:
+    def batch(self) -> ContextManager[Batch]:
         """Issue the calls inside the block together; they complete when it ends.
 
         Each call is checked as it is made and queued. At the end of the block, on the host
@@ -543,26 +511,7 @@ class Communicator:
                 comm.isend(mine, right)
             # from_left now holds the left neighbour's array: Rank 0: [2, 2]  Rank 1: [0, 0]
         """
-        checks, router = self._checks, self._router
-        checks.check_open("batch")
-        if checks.batch is not None:
-            raise checks.fail(RuntimeError, "batch", "batch() blocks do not nest")
-        group = Batch(self.rank)
-        backends = [b for b in (router.host, router.device) if b is not None]
-        for backend in backends:
-            backend.begin_group(group)
-        checks.batch = group
-        self._prepared.disable()   # every call inside is queued by the general path
-        cancel = True   # unless the block ends without an exception
-        try:
-            yield group
-            cancel = False
-        finally:
-            checks.batch = None
-            if not checks.closed:
-                self._prepared.enable()
-            for backend in backends:
-                backend.end_group(group, cancel)
+        return block(self._checks, self._router, self._prepared)
 
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
         """Wait until every rank has called barrier (host processes, not CUDA streams: finish
@@ -633,10 +582,7 @@ class Communicator:
             half = comm.split(comm.rank % 2)    # ranks 0, 2 and ranks 1, 3
             half.rank, half.size                # Rank 0: (0, 2)  Rank 1: (0, 2)  Rank 2: (1, 2)
         """
-        self._checks.check_open("split")
-        self._checks.check_split(color, key)
-        return self._subgroup(None if color is None else int(color),
-                              self.rank if key is None else int(key), f"split({color})")
+        return _subgroups.split(self, color, key)
 
     def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
         """A communicator of ``ranks`` (ordered by rank), None on the other ranks. Collective:
@@ -646,25 +592,7 @@ class Communicator:
 
             group = comm.new_group([0, 2])   # Rank 0: rank 0 of 2   Rank 1: None   Rank 2: 1 of 2
         """
-        self._checks.check_open("new_group")
-        ordered = self._checks.check_members(ranks)
-        mine = self.rank in ordered
-        return self._subgroup(0 if mine else None, ordered.index(self.rank) if mine else 0,
-                              f"group{ordered}")
-
-    def _subgroup(self, color: Optional[int], key: int, label: str) -> Optional["Communicator"]:
-        router = self._router
-        sub = self._mpi.Split(MPI.UNDEFINED if color is None else color, key)
-        raw = router.device.split(color, key) if router.device is not None else None
-        if color is None:
-            return None
-        child = Communicator.create(sub, name=f"{self.name}/{label}", timeout=self.timeout,
-                                    device=router.device_choice, device_module=router.cupy,
-                                    debug=self.debug, device_rank=router.device_rank,
-                                    nccl_comm=raw)
-        if self.parts.survival is not None:   # shrink() closes it with this one
-            self.parts.survival.children.add(child)
-        return child
+        return _subgroups.new_group(self, ranks)
 
     # -- after a peer is lost (init(on_peer_loss="raise"); see cupycomm.survivors) ---------------
     @property
@@ -713,19 +641,6 @@ class Communicator:
                                f"{self.rank})")
         with self.parts.tracker.inside("shrink"):
             return _shrink(self, survival)
-
-    def _retire(self) -> None:
-        """shrink()'s close: its NCCL communicator aborted, never destroyed (NCCL >= 2.31
-        hangs destroying one after an abortive shrink: pytorch#194679); calls in flight
-        dropped; every later call raises CommShrunkError."""
-        self._checks.shrunk = True
-        device = self._router.device
-        if device is not None:
-            device.abort("the communicator was shrunk after a peer was lost", peer_lost=True)
-        try:
-            self.close()
-        except (PeerLost, MPI.Exception):
-            pass   # its calls in flight failed: the peers they waited for are gone
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -4,15 +4,16 @@ Bad arguments raise ``TypeError`` (wrong kind of object) or ``ValueError`` (wron
 shape), before any communication starts. The classes here are for state and for faults:
 a closed communicator, a collective that did not finish in time, ranks that disagree about
 a collective (debug mode), a failed NCCL call, a peer process that is gone (and a
-communicator replaced by ``shrink()`` after it), a node's shared
-file that is not the one cupycomm made.
+communicator replaced by ``shrink()`` after it), a node's shared file that is not the one
+cupycomm made; and one warning, for a launch that MPI sees otherwise than the launcher.
 """
 from __future__ import annotations
 
 from typing import Any, Tuple
 
 __all__ = ["CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch",
-           "NcclError", "PeerLost", "TooFewSurvivors", "SharedFileRefused"]
+           "NcclError", "PeerLost", "TooFewSurvivors", "SharedFileRefused",
+           "LocalRankWarning"]
 
 
 class CommClosedError(RuntimeError):
@@ -88,3 +89,20 @@ class SharedFileRefused(RuntimeError):
     the one it made: a link, another user's, or open to other users; the message names the
     path, what was found and what was expected. Raised on every rank of the communicator
     being made. See the security guide (docs/guide/security.md)."""
+
+
+class LocalRankWarning(RuntimeWarning):
+    """The MPI library and the launcher disagree about the ranks that share a node.
+
+    ``init()`` warns, once per process, when MPI's shared-memory split of a node holds other
+    ranks than the launcher's local ranks say (``SLURM_LOCALID``,
+    ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``): Open MPI under srun's pmix, for one,
+    makes every rank local rank 0. The default device choice follows MPI's split, so ranks of
+    one node may pick the same GPU; pass ``init(device=...)`` from the launcher's local rank.
+    Host collectives are right all the same.
+
+    Example::
+
+        import warnings
+        warnings.simplefilter("error", cupycomm.LocalRankWarning)   # make it fatal
+    """

@@ -80,4 +80,6 @@ class Objects:
     def close(self) -> None:
         """Free the duplicate, if made (MPI still initialized)."""
         if self._transport is not None:
+            if self._checks.shrunk and not self._transport.Is_revoked():
+                self._transport.Revoke()   # see cupycomm.survivors.state.Survival.revoke
             self._transport.Free()

@@ -6,7 +6,7 @@
 #   bash tests/run.sh                # from a fresh clone; creates .venv unless one is active
 #   bash tests/run.sh -x -k gather   # extra arguments go to every pytest run
 #   MPIEXEC=/opt/mpi/bin/mpiexec bash tests/run.sh      # that launcher (srun as well)
-#   RANKS="1 3" TESTS="tests/faults/test_scenarios.py" bash tests/run.sh   # some sizes, some files
+#   RANKS="1 3" TESTS="tests/faults/test_abort.py" bash tests/run.sh   # some sizes, some files
 #   UNDER_MPIEXEC=1 bash tests/run.sh   # every size, 1 too, as `mpiexec -n N python -m pytest`
 #
 # The MPI is the environment's: $MPIEXEC, else the active environment's mpiexec or the one on

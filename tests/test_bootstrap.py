@@ -155,7 +155,7 @@ def node_size():
 def test_a_node_the_launcher_numbers_otherwise_is_said_plainly(variable,
                                                                local_rank_unchecked):
     mine, size = node_size()
-    with pytest.warns(_bootstrap.LocalRankWarning) as warned:
+    with pytest.warns(cupycomm.LocalRankWarning) as warned:
         _bootstrap.check_launch(MPI.COMM_WORLD, {variable: str(mine + 1)})
     said = str(warned[0].message)
     assert f"split of node {_bootstrap.node_name()} holds {size} rank" in said, said

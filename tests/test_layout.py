@@ -1,7 +1,9 @@
 """The package's stated rules that a reader of the code can check: only ``_bootstrap`` touches
 ``MPI.COMM_WORLD``; every NCCL call is made in ``backends/`` (the benchmark's raw baselines
 excepted: calling NCCL directly is their job; and the test stand-in, which is the NCCL it
-stands for); the backend contract lists what backends
+stands for); ``run/`` imports nothing of ``faults/`` (which imports ``run.exit_records``);
+no module reads the Communicator's private attributes (its parts are ``comm.parts``); the
+backend contract lists what backends
 implement, and Foreign wraps exactly the collectives of the table of calls; no module runs
 source it generates."""
 import ast
@@ -61,6 +63,55 @@ def test_only_bootstrap_touches_comm_world():
 def test_every_nccl_call_is_in_backends():
     allowed = lambda p: p.parts[0] == "backends" or p in RAW_BASELINES | {STANDIN}
     assert _where(NCCL_NAMES, allowed) == []
+
+
+def _imported_modules(path):
+    """(line, the absolute name of each module that ``path``, a module of the package,
+    imports, a ``from`` import's names included as modules it may be)."""
+    package = ["cupycomm", *path.relative_to(PACKAGE).parent.parts]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            yield node.lineno, module
+            for alias in node.names:
+                yield node.lineno, f"{module}.{alias.name}"
+
+
+def test_run_imports_nothing_of_faults():
+    """The launcher's wing and the in-rank faults wing share only ``_private`` (and the
+    helpers): ``faults`` imports ``run.exit_records``, so an arrow back would be a cycle."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
+             for path in sorted((PACKAGE / "run").rglob("*.py"))
+             for line, module in _imported_modules(path)
+             if module == "cupycomm.faults" or module.startswith("cupycomm.faults.")]
+    assert found == []
+
+
+def _private_attributes_of_the_communicator():
+    tree = ast.parse((PACKAGE / "communicator.py").read_text())
+    init = next(node for node in ast.walk(tree)
+                if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    return {target.attr for node in ast.walk(init) if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name) and target.value.id == "self"
+            and target.attr.startswith("_")}
+
+
+def test_no_module_reads_the_communicators_private_attributes():
+    """The Communicator is a façade: what cupycomm's modules use of it is ``comm.parts`` and
+    its public attributes. A module's own ``self._x`` of the same name is its own."""
+    private = _private_attributes_of_the_communicator()
+    assert {"_checks", "_router", "_prepared"} <= private   # the rule reads the right names
+    found = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} reads .{node.attr}"
+             for path in _modules() if path.name != "communicator.py" or path.parent != PACKAGE
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in private
+             and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert found == []
 
 
 def _methods(protocol):

@@ -12,9 +12,9 @@ gives up says why.
   one block saying where every rank is (its files merge with ``python -m cupycomm.flight``);
 - :mod:`~cupycomm.faults.stacks`: every thread's Python stack, this process's and its
   node's peers';
-- :mod:`~cupycomm.faults.debug`: debug mode, the ranks comparing each call before it runs;
-- :mod:`~cupycomm.faults.private`: the private directories that hold every file the package
-  makes in ``/dev/shm`` or the temporary directory, and the checks of those who open them.
+- :mod:`~cupycomm.faults.debug`: debug mode, the ranks comparing each call before it runs.
 
-The parent-process side, the launcher that judges how a job ended, is :mod:`cupycomm.run`.
+The files these parts make in ``/dev/shm`` or the temporary directory lie in the private
+directories of :mod:`cupycomm._private`, which ``cupycomm.run`` uses too. The parent-process
+side, the launcher that judges how a job ended, is :mod:`cupycomm.run`.
 """

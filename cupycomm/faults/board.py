@@ -22,8 +22,8 @@ from mpi4py import MPI
 
 from .. import _bootstrap
 from ..errors import SharedFileRefused
-from . import private
-from .private import alive
+from .. import _private as private
+from .._private import alive
 
 __all__ = ["Board", "NodeBoard", "alive", "RANK", "PID", "LEFT", "SEQ", "BUSY", "BUSY_SEQ",
            "LEFT_AT", "GONE", "GONE_STATE", "GONE_SEQ", "GONE_AT", "REPORTED_AT", "CLOSED",
@@ -38,7 +38,7 @@ class Board:
     holds ``node``'s ranks), neither of which it keeps.
 
     The node's first rank makes the file in a private directory of its own
-    (:mod:`cupycomm.faults.private`: mode 0700 under an unpredictable name in ``/dev/shm``)
+    (:mod:`cupycomm._private`: mode 0700 under an unpredictable name in ``/dev/shm``)
     and sends its path to the others over MPI; each other rank maps it only once it has
     checked that the directory and the file are its own user's with modes 0700 and 0600 and
     no link. The ranks of ``agree`` then learn together whether every rank of every node

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 from .. import _env
 from .._bootstrap import node_name
 from .._collectives import CALLS
-from . import private
+from .. import _private as private
 
 __all__ = ["Recorder", "summarize", "report_all", "install_signal", "report_signal",
            "DUMP_AFTER", "DUMP_EVERY", "REPORT_WINDOW"]

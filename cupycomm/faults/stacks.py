@@ -6,7 +6,7 @@
 - :class:`PeerStacks`: ask a peer on this node for its stacks through a
   :class:`~cupycomm.faults.board.Board`. The peer's watcher thread writes them into its
   stack file, then an end mark, so that the reader never takes half a stack. The file is in
-  a private directory of the peer's (:mod:`cupycomm.faults.private`, in the temporary
+  a private directory of the peer's (:mod:`cupycomm._private`, in the temporary
   directory) whose name only the board tells; the reader opens it only if it is its own
   user's, mode 0600. A peer whose thread does not answer (its main thread holds the GIL) is
   sent SIGUSR1, and faulthandler writes its stacks from the signal handler, which works
@@ -22,7 +22,7 @@ import time
 from typing import Any, Optional, TextIO
 
 from ..errors import SharedFileRefused
-from . import private
+from .. import _private as private
 from .board import Board, alive
 
 __all__ = ["dump", "with_descriptor", "PeerStacks", "WAIT"]

@@ -37,7 +37,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from .. import _bootstrap, _env
-from ..faults import private
+from .. import _private as private
 
 __all__ = ["start", "record", "note_survived", "read", "read_strays", "RUNNING", "ENDED",
            "RAISED", "ABORTED"]

@@ -43,7 +43,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..faults.private import alive
+from .._private import alive
 from . import exit_records, launchers
 
 __all__ = ["Options", "UsageError", "parse", "verdict", "main", "USAGE", "GRACE",

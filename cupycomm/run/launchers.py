@@ -19,7 +19,9 @@ Anything else is ``other``: it gets a plain ``-n N``. :func:`find` names the lau
 environment we run in; :meth:`Launcher.command` gives the argv of a job up to the program, and
 :meth:`Launcher.environment` the environment of a job started from inside a rank. ``python -m
 cupycomm.run.launchers -n 3`` prints that argv, shell-quoted (``tests/run.sh`` uses it).
-:func:`started_by_a_launcher` tells a launcher's rank from a process started on its own.
+:data:`JOB_VARIABLES` lists the variables by which a launcher tells its ranks their job's size,
+their rank and their place on the node; :func:`started_by_a_launcher` tells a launcher's rank
+from a process started on its own by them.
 :func:`library_kind` names the MPI library from ``MPI.Get_library_version()``.
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["Launcher", "find", "nested_environment", "started_by_a_launcher", "library_kind",
-           "KINDS"]
+           "KINDS", "JobVariable", "JOB_VARIABLES", "job_variables"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,22 +211,57 @@ def nested_environment(environ: Mapping[str, str]) -> Dict[str, str]:
     return {k: v for k, v in environ.items() if not _given_by_a_launcher(k)}
 
 
-# What each launcher sets in every rank it starts, whatever the world size: PMI_RANK (hydra,
-# Intel's, srun's pmi and pmi2), PMIX_RANK (PRRTE, srun's pmix), OMPI_COMM_WORLD_RANK (Open
-# MPI's mpirun), SLURM_STEP_NUM_TASKS (srun, any --mpi; a batch script has SLURM_PROCID too).
-_RANK_OF_A_JOB = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_STEP_NUM_TASKS")
+@dataclasses.dataclass(frozen=True)
+class JobVariable:
+    """A variable by which a launcher tells each rank it starts about its job."""
+    name: str
+    says: str      # "size" (the ranks it started), "rank" or "local rank" (on its node)
+    set_by: str    # the launchers that set it, as messages name them
+
+
+# Measured with srun 22.05 and the MPICH 4, Intel MPI 2021 and Open MPI 5 wheels' launchers.
+# A launcher started from inside another's rank (hydra's proxies under srun, say) leaves the
+# outer one's variables beside its own. The salloc/sbatch shell's SLURM_NTASKS is the
+# allocation's, not a job's (srun's is SLURM_STEP_NUM_TASKS), and a batch script has
+# SLURM_PROCID and SLURM_LOCALID too: neither tells a launcher's rank.
+#: The variables by which each launcher tells its ranks about their job (its size, a rank, a
+#: rank's place on its node), whatever the job's size. The one table that
+#: ``started_by_a_launcher()`` and ``init()``'s check of the world and local ranks read.
+JOB_VARIABLES: Tuple[JobVariable, ...] = (
+    JobVariable("PMI_SIZE", "size",
+                "a PMI launcher (MPICH's or Intel MPI's mpiexec, srun --mpi=pmi2)"),
+    JobVariable("OMPI_COMM_WORLD_SIZE", "size", "Open MPI's mpiexec"),
+    JobVariable("SLURM_STEP_NUM_TASKS", "size", "srun"),
+    JobVariable("PMI_RANK", "rank", "a PMI launcher"),
+    JobVariable("PMIX_RANK", "rank", "a PMIx launcher (PRRTE, srun --mpi=pmix)"),
+    JobVariable("OMPI_COMM_WORLD_RANK", "rank", "Open MPI's mpiexec"),
+    JobVariable("OMPI_COMM_WORLD_LOCAL_RANK", "local rank", "Open MPI's mpiexec"),
+    JobVariable("MPI_LOCALRANKID", "local rank", "MPICH's or Intel MPI's mpiexec"),
+    JobVariable("SLURM_LOCALID", "local rank", "srun"),
+)
+
+
+def job_variables(says: str) -> Dict[str, str]:
+    """The :data:`JOB_VARIABLES` that say ``says``, each with who sets it.
+
+    Example::
+
+        assert job_variables("size")["SLURM_STEP_NUM_TASKS"] == "srun"
+    """
+    return {v.name: v.set_by for v in JOB_VARIABLES if v.says == says}
 
 
 def started_by_a_launcher(environ: Mapping[str, str]) -> bool:
     """Whether ``environ`` is that of a rank a launcher started (``mpiexec -n 1`` and ``srun
-    -n 1`` included), rather than of a process started on its own (an MPI singleton).
+    -n 1`` included), rather than of a process started on its own (an MPI singleton): it
+    has a variable of :data:`JOB_VARIABLES` that says a rank or a job's size.
 
     Example::
 
         if not started_by_a_launcher(os.environ):
             print("not under mpiexec: this process is a world of one")
     """
-    return any(name in environ for name in _RANK_OF_A_JOB)
+    return any(v.name in environ for v in JOB_VARIABLES if v.says in ("rank", "size"))
 
 
 def find(executable: Optional[str] = None) -> Launcher:

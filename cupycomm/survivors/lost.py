@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["peer_lost", "enlist", "FAILURES"]
 
-#: ULFM's error classes for a lost peer: the call saw it fail, a nonblocking receive from
-#: any source cannot know, another survivor revoked the communicator.
+#: The error classes of ULFM that say a peer is lost (the call saw it fail; a nonblocking
+#: receive from any source cannot know; another survivor revoked the communicator).
 FAILURES = frozenset(getattr(MPI, name) for name in
                      ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
                      if hasattr(MPI, name))

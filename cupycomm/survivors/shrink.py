@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mpi4py import MPI
+
+from ..errors import PeerLost
 from ..run import exit_records
 
 if TYPE_CHECKING:
@@ -48,10 +51,18 @@ def shrink(comm: "Communicator", survival: "Survival") -> "Communicator":
 
 def retire(comm: "Communicator", survival: "Survival") -> None:
     """Close ``comm`` and its subgroups for good, their NCCL communicators aborted."""
-    for child in list(survival.children):
+    for child in survival.children():
         child_survival = child.parts.survival
-        if child_survival is not None and not child.closed:
+        if child_survival is not None:
             retire(child, child_survival)
     survival.discard()
     survival.revoke()
-    comm._retire()
+    parts = comm.parts
+    parts.checks.shrunk = True   # every later call: CommShrunkError
+    device = parts.router.device
+    if device is not None:   # aborted, never destroyed (see the module)
+        device.abort("the communicator was shrunk after a peer was lost", peer_lost=True)
+    try:
+        comm.close()
+    except (PeerLost, MPI.Exception):
+        pass   # its calls in flight failed: the peers they waited for are gone

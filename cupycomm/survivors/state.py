@@ -60,8 +60,15 @@ class Survival:
         self.world_ranks = world_ranks(mpi_comm)
         self.lost: Optional[Tuple[int, ...]] = None   # world ranks, once a loss was seen
         self._successor: Optional[MPI.Comm] = None    # the survivors, shrunk at that loss
-        #: The communicators split from this one: shrink() closes them with it.
-        self.children: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()   # split from this one
+
+    def adopt(self, child: Any) -> None:
+        """``child``, a communicator split from this one, is retired with it by shrink()."""
+        self._children.add(child)
+
+    def children(self) -> List[Any]:
+        """The open communicators split from this one."""
+        return [child for child in self._children if not child.closed]
 
     def lose(self, call: str, seq: int, also: Optional[MPI.Comm] = None) -> PeerLost:
         """The PeerLost of ``call`` #``seq``, after (the first time) revoking the

@@ -7,8 +7,8 @@ Prints, as Markdown rows, the six faults of docs/guide/faults-and-timeouts.md's 
 launcher of the environment it runs in (:func:`cupycomm.run.launchers.find`, with the options
 that leave ending the job to cupycomm, as the docs recommend): the exit statuses seen, the
 worst time of ``--runs`` runs, and the first line that names the culprit rank (or the test).
-The faults are tests/faults/scenario.py's and the plugin's hanging case; tests/faults/test_scenarios.py
-and tests/testing/test_plugin.py assert the bounds, this records the figures.
+The faults are tests/faults/scenario.py's and the plugin's hanging case; tests/faults/test_abort.py,
+test_timeouts.py and tests/testing/test_plugin.py assert the bounds, this records the figures.
 """
 import argparse
 import re

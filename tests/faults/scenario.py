@@ -1,4 +1,5 @@
-"""Fault scenarios, one per command line, run under mpiexec by tests/faults/test_scenarios.py.
+"""Fault scenarios, one per command line, run under mpiexec by tests/faults/test_abort.py,
+test_timeouts.py, test_mismatches.py and test_heartbeat.py (through fault_jobs.py).
 
     mpiexec -n 3 python tests/faults/scenario.py raise-before-collective
 

@@ -1,8 +1,10 @@
-"""What is judged per node: local ranks, device choice, the node board, the heartbeats.
+"""What is judged per node: local ranks, device choice, the flight recorder's report per node
+(the node board's and the heartbeats' are test_board.py's and test_heartbeat.py's).
 
-Under a plain ``mpiexec -n N`` every rank is on one node; the last test runs this file and
-a short pass of the collective tests on two simulated nodes (hydra's ``-hosts``, see
-:func:`cupycomm.testing.simulated_nodes`), where each of these checks sees two.
+Under a plain ``mpiexec -n N`` every rank is on one node; the last test runs this file,
+those per-node tests and a short pass of the collective tests on two simulated nodes
+(hydra's ``-hosts``, see :func:`cupycomm.testing.simulated_nodes`), where each of these
+checks sees two.
 """
 import io
 from pathlib import Path
@@ -13,17 +15,11 @@ from mpi4py import MPI
 import cupycomm
 from cupycomm import _bootstrap
 from cupycomm.faults import flight
-from cupycomm.faults.board import RANK
 from cupycomm.run.launchers import find
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
-from test_scenarios import HYDRA_OWN_FAILURE
+from fault_jobs import HYDRA_OWN_FAILURE, nodes_of
 
 TESTS = Path(__file__).resolve().parents[1]
-
-
-def nodes_of(comm):
-    """Each rank's node name, as every rank sees it."""
-    return comm.all_gather_object(_bootstrap.node_name())
 
 
 def test_local_rank_is_the_place_among_the_ranks_of_this_node():
@@ -44,39 +40,6 @@ def test_the_device_is_chosen_among_the_gpus_of_this_node():
     comm = cupycomm.init()
     assert comm.parts.router.device_rank == comm.local_rank
     assert _bootstrap.choose_device(comm.parts.router.device_rank, TwoGpus) == comm.local_rank % 2
-
-
-def test_the_node_board_holds_the_ranks_of_this_node_only():
-    comm = cupycomm.init()
-    if comm.size == 1:
-        assert comm.parts.tracker.board is None
-        return
-    nodes = nodes_of(comm)
-    here = [rank for rank, node in enumerate(nodes) if node == nodes[comm.rank]]
-    assert sorted(int(row[RANK]) for row in comm.parts.tracker.board.rows) == here
-
-
-def test_heartbeats_join_the_nodes_and_only_them():
-    comm = cupycomm.init()
-    nodes = nodes_of(comm)
-    beats = comm.parts.tracker.beats
-    if len(set(nodes)) == 1:
-        assert beats is None
-        return
-    assert beats.nodes == list(dict.fromkeys(nodes))   # in the order of their first rank
-    assert [beats.nodes[beats.node_of[rank]] for rank in range(comm.size)] == nodes
-    assert beats.departure() is None   # every rank is here and well
-
-
-def test_a_subgroup_within_one_node_has_no_heartbeats():
-    comm = cupycomm.init()
-    nodes = nodes_of(comm)
-    sub = comm.split(nodes.index(nodes[comm.rank]))   # one subgroup per node
-    try:
-        assert sub.size == nodes.count(nodes[comm.rank])
-        assert sub.parts.tracker.beats is None
-    finally:
-        sub.close()
 
 
 def test_one_rank_per_node_prints_where_its_nodes_ranks_are(monkeypatch):
@@ -104,12 +67,13 @@ def test_one_rank_per_node_prints_where_its_nodes_ranks_are(monkeypatch):
 @pytest.mark.skipif(find().kind not in SIMULATES_NODES,
                     reason="only MPICH's hydra can simulate nodes")
 def test_the_suite_passes_on_two_simulated_nodes():
-    """This file and the host collectives (float64, sum: every collective) on 2 + 1 ranks of
-    two nodes, every communicator closing cleanly: no heartbeat is left behind, nothing is
-    printed about it."""
+    """This file, the board's and the heartbeats' per-node tests, and the host collectives
+    (float64, sum: every collective) on 2 + 1 ranks of two nodes, every communicator closing
+    cleanly: no heartbeat is left behind, nothing is printed about it."""
     job = run_mpiexec(3, "-m", "pytest", "-q", "-p", "no:cacheprovider", "faults/test_nodes.py",
-                      "test_collectives.py", "-k",
-                      "test_nodes or (host and float64 and not (prod or min or max or avg))",
+                      "faults/test_board.py", "faults/test_heartbeat.py", "test_collectives.py",
+                      "-k", "test_nodes or test_board or test_heartbeat"
+                      " or (host and float64 and not (prod or min or max or avg))",
                       timeout=120, cwd=str(TESTS),
                       mpiexec_args=no_auto_cleanup() + simulated_nodes(2, 1))
     # 0, or hydra's own failure after every rank finished (docs/guide/faults-and-timeouts.md;

@@ -7,8 +7,8 @@ Prints one line per scenario with the exit statuses seen and the worst and media
 the user-program faults of scenario.py, then the plugin's cases (pytest under mpiexec on the
 scratch suites of tests/plugin_cases). Every job runs as the README recommends (MPICH's
 ``-disable-auto-cleanup``), then os-exit-0 and sigkill once more with MPICH's own cleanup.
-The fault suite (tests/faults/test_scenarios.py, tests/testing/test_plugin.py) asserts the bounds; this
-records the figures. With ``--nodes``: the faults of a rank or a whole node on another
+The fault suite (tests/faults/test_abort.py, test_timeouts.py, test_mismatches.py,
+test_heartbeat.py, tests/testing/test_plugin.py) asserts the bounds; this records the figures. With ``--nodes``: the faults of a rank or a whole node on another
 (simulated) node while the others wait in all_reduce, under hydra's default cleanup and
 with ``-disable-auto-cleanup``, with the default collective timeout (600 s: only the
 heartbeats, at their default bound, can end these jobs in time), and through

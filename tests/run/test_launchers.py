@@ -190,9 +190,10 @@ def test_the_real_launcher_gives_nothing_that_a_nested_job_keeps(tmp_path):
                                    {"OMPI_COMM_WORLD_RANK": "0"}, {"SLURM_STEP_NUM_TASKS": "1"}],
                          ids=["hydra", "pmix", "openmpi", "srun"])
 def test_a_rank_of_any_launcher_is_told_from_a_process_started_on_its_own(given):
-    # what a shell inside an allocation, or the user's configuration, has is no launcher's
-    own = {"PATH": "/usr/bin", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "OMPI_MCA_btl": "self",
-           "HYDRA_LAUNCHER": "fork"}
+    # what a shell inside an allocation (a batch script's too), or the user's configuration,
+    # has is no launcher's
+    own = {"PATH": "/usr/bin", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+           "SLURM_NTASKS": "4", "OMPI_MCA_btl": "self", "HYDRA_LAUNCHER": "fork"}
     assert not launchers.started_by_a_launcher(own)
     assert launchers.started_by_a_launcher({**own, **given})
 

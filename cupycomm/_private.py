@@ -35,7 +35,7 @@ import stat
 import tempfile
 from typing import Callable, Optional, Set, Tuple
 
-from ..errors import SharedFileRefused
+from .errors import SharedFileRefused
 
 __all__ = ["alive", "shared_directory", "temporary_directory", "directory_of", "make_directory",
            "create", "open_checked", "remove", "sweep", "replace_file"]

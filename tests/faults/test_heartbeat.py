@@ -1,0 +1,107 @@
+"""The heartbeats between nodes (cupycomm/faults/heartbeat.py): on every node of a job, the
+node leaders beat to each other and no one else (test_nodes.py runs these on two simulated
+nodes too); and, as jobs of their own on two simulated nodes (tests/faults/fault_jobs.py),
+a whole node's failure ends the job in seconds naming it, while a rank slower than the
+heartbeat bound is not taken for dead.
+
+The jobs start mpiexec themselves, so they run in the single-process pass of the suite and
+skip under mpiexec; they need MPICH's hydra to simulate nodes.
+"""
+import pytest
+
+import cupycomm
+from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
+from fault_jobs import (BOUND, HYDRA_OWN_FAILURE, LAUNCHER, SCENARIO, ended_quickly,
+                        no_rank_finished, nodes_of)
+
+
+def test_heartbeats_join_the_nodes_and_only_them():
+    comm = cupycomm.init()
+    nodes = nodes_of(comm)
+    beats = comm.parts.tracker.beats
+    if len(set(nodes)) == 1:
+        assert beats is None
+        return
+    assert beats.nodes == list(dict.fromkeys(nodes))   # in the order of their first rank
+    assert [beats.nodes[beats.node_of[rank]] for rank in range(comm.size)] == nodes
+    assert beats.departure() is None   # every rank is here and well
+
+
+def test_a_subgroup_within_one_node_has_no_heartbeats():
+    comm = cupycomm.init()
+    nodes = nodes_of(comm)
+    sub = comm.split(nodes.index(nodes[comm.rank]))   # one subgroup per node
+    try:
+        assert sub.size == nodes.count(nodes[comm.rank])
+        assert sub.parts.tracker.beats is None
+    finally:
+        sub.close()
+
+
+# -- on two simulated nodes: the last node's ranks fail, the first node's wait --------------------
+# 3 ranks: the culprit alone on node 1, or with the leader of node 1; time_to_exit.py --nodes
+# runs the same faults on 4 ranks.
+NODE_BOUND = 15.0   # seconds within which a whole node's failure must end the job
+HEARTBEAT = 3.0     # CUPYCOMM_HEARTBEAT_TIMEOUT here (5 s by default: time_to_exit.py)
+COLLECTIVE = "waits in all_reduce #"
+NODE1_SILENT = "node node1 (ranks [1, 2]) of communicator world has sent no heartbeat"
+CUPYCOMM_NAMES = {   # scenario: (ranks per node, what cupycomm's message says of the culprit)
+    "os-exit-0": ((2, 1), ["node node1 (ranks [2]) of communicator world has sent no "
+                           "heartbeat"]),
+    "sys-exit-0": ((2, 1), ["rank 2 of communicator world (node node1) has exited (its "
+                            "program ended or called sys.exit) after its collective #1"]),
+    "exit-3": ((2, 1), ["rank 2 of communicator world (node node1) has exited"]),
+    "sigkill": ((2, 1), ["node node1 (ranks [2]) of communicator world has sent no heartbeat"]),
+    "raise-before-collective": ((2, 1), ["uncaught exception on rank 2 of 3 (host node1"]),
+    # Its node's leader relays the death; hydra's cleanup may kill that leader first.
+    "os-exit-0-beside-a-busy-leader": ((1, 2), ["rank 2 of communicator world (node node1) "
+                                                "has died (its process ended", NODE1_SILENT]),
+    "node-sigkill": ((1, 2), [NODE1_SILENT]),
+    "node-sigstop": ((1, 2), [NODE1_SILENT]),
+}
+# With hydra's own cleanup, a rank killed by a signal makes mpiexec end the job at once,
+# before any heartbeat is missed; hydra names the node and the signal then.
+KILLED_BY_A_SIGNAL = ("sigkill", "node-sigkill")
+simulates_nodes = pytest.mark.skipif(LAUNCHER not in SIMULATES_NODES,
+                                     reason="only MPICH's hydra can simulate nodes")
+
+
+def run_on_nodes(name, ranks_per_node, cleanup, timeout=60):
+    return run_mpiexec(sum(ranks_per_node), SCENARIO, name, timeout=timeout,
+                       mpiexec_args=cleanup + simulated_nodes(*ranks_per_node),
+                       env={"CUPYCOMM_TIMEOUT": "600",
+                            "CUPYCOMM_HEARTBEAT_TIMEOUT": str(HEARTBEAT)})
+
+
+@simulates_nodes
+@pytest.mark.mpi(max_size=1)
+@pytest.mark.parametrize("cleanup", ["hydra's cleanup", "-disable-auto-cleanup"])
+@pytest.mark.parametrize("name", list(CUPYCOMM_NAMES))
+def test_a_failure_on_another_node_ends_the_job_in_seconds_naming_it(name, cleanup):
+    ranks_per_node, named = CUPYCOMM_NAMES[name]
+    job = run_on_nodes(name, ranks_per_node, [] if cleanup == "hydra's cleanup"
+                       else no_auto_cleanup())
+    ended_quickly(job, NODE_BOUND if name.startswith("node-") else BOUND)
+    assert job.returncode != 0, job.output
+    no_rank_finished(job)
+    if cleanup == "hydra's cleanup" and name in KILLED_BY_A_SIGNAL:
+        assert "RUNNING AT node1" in job.output and "EXIT CODE: 9" in job.output, job.output
+    else:
+        assert any(text in job.output for text in named), job.output
+        if name != "raise-before-collective":   # the abort handler's end, not a wait's
+            assert COLLECTIVE in job.output, job.output
+
+
+@simulates_nodes
+@pytest.mark.mpi(max_size=1)
+@pytest.mark.parametrize("name", ["long-compute", "long-sleep"])
+def test_a_rank_slower_than_the_heartbeat_bound_is_not_taken_for_dead(name):
+    """The last rank, alone on its node, computes in Python or sleeps for longer than the
+    heartbeat bound while the others wait: its watchdog thread beats all along."""
+    job = run_on_nodes(name, (2, 1), no_auto_cleanup())
+    ended_quickly(job)
+    assert job.output.count("finished with") == 3, job.output
+    # 0, or hydra's own failure after every rank finished (1 run in 6 on simulated nodes:
+    # docs/guide/faults-and-timeouts.md; cupycomm.run ends 0 then, tests/run/test_job.py)
+    assert job.returncode == 0 or (job.returncode == 255 and HYDRA_OWN_FAILURE in job.output), \
+        job.output

@@ -1,0 +1,46 @@
+"""The fault suite, a call that waits too long: a rank that never arrives, a collective that
+holds the GIL, each ended past its timeout naming the rank and showing the stacks; a long
+call outside collectives is left alone (cupycomm/faults/watchdog.py).
+
+Where an MPI behaves otherwise, the test says what each does; the jobs:
+tests/faults/fault_jobs.py.
+"""
+import re
+
+import pytest
+
+from fault_jobs import LAUNCHER, ended_quickly, run
+
+pytestmark = pytest.mark.mpi(max_size=1)
+
+
+def test_a_rank_that_never_arrives_times_out_naming_it():
+    job = run("never-arrives")
+    ended_quickly(job)
+    assert job.returncode != 0
+    assert "all_reduce #2 on communicator world has waited 3 s (timeout 3 s)" in job.output
+    assert "ranks not arrived: [2]" in job.output
+    assert "in all_reduce" in job.output   # the waiting rank's stack
+
+
+def test_a_collective_that_holds_the_gil_ends_the_process_with_its_stacks():
+    """The culprit's stacks, then its end is named: by its peer's watchdog where the launcher
+    leaves the job to cupycomm (hydra with -disable-auto-cleanup), by Open MPI's launcher,
+    which ends the job as soon as a rank exits non-zero, in its own words."""
+    job = run("hold-gil", n=2)
+    ended_quickly(job)   # the 3 s timeout + the margin, shrunk to 1 s by the scenario
+    assert job.returncode != 0
+    assert "Timeout (0:00:04)!" in job.output
+    assert "in hold_the_gil" in job.output   # the thread that held on
+    if LAUNCHER == "openmpi":
+        assert re.search(r"exited with non-zero status.*Process name: *\[\S+,1\]",
+                         job.output, re.DOTALL), job.output
+    else:
+        assert "rank 1 of communicator mpi_comm" in job.output and "has died" in job.output
+
+
+def test_a_long_call_holding_the_gil_outside_collectives_is_left_alone():
+    job = run("hold-gil-idle", n=2)
+    ended_quickly(job)
+    assert job.returncode == 0, job.output
+    assert job.output.count("finished with") == 2, job.output
