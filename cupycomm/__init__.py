@@ -9,14 +9,15 @@ import importlib
 from typing import TYPE_CHECKING, Any, List
 
 from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, CommShrunkError,
-                     LocalRankWarning,
-                     NcclError, PeerLost)
+                     LocalRankWarning, NcclError, PeerLost, TooFewSurvivors)
 
 if TYPE_CHECKING:
     from . import devices
     from ._dtypes import DTYPES, ReduceOp
     from ._init import init
     from .communicator import DEFAULT_TIMEOUT, Communicator
+    from .survivors.committed import State
+    from .survivors.resilient import resilient
     from .work import Work
     prefetch = devices.prefetch
 
@@ -25,7 +26,8 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Communicator", "ReduceOp", "Work", "DTYPES", "DEFAULT_TIMEOUT",
     "CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch", "NcclError",
-    "PeerLost", "LocalRankWarning", "devices", "prefetch",
+    "PeerLost", "TooFewSurvivors", "LocalRankWarning", "devices", "prefetch", "resilient",
+    "State",
 ]
 
 # The module of each name imported at its first use. Importing mpi4py.MPI starts MPI, and the
@@ -33,7 +35,8 @@ __all__ = [
 # this package too, also from inside a rank, whose launcher's variables MPI_Init would read.
 _HOMES = {"init": "_init", "Communicator": "communicator",
           "DEFAULT_TIMEOUT": "communicator", "ReduceOp": "_dtypes", "DTYPES": "_dtypes",
-          "devices": "devices", "prefetch": "devices", "Work": "work"}
+          "devices": "devices", "prefetch": "devices", "Work": "work",
+          "resilient": "survivors.resilient", "State": "survivors.committed"}
 
 
 def __getattr__(name: str) -> Any:

@@ -9,10 +9,11 @@ cupycomm made; and one warning, for a launch that MPI sees otherwise than the la
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Tuple
 
 __all__ = ["CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch",
-           "NcclError", "PeerLost", "SharedFileRefused", "LocalRankWarning"]
+           "NcclError", "PeerLost", "TooFewSurvivors", "SharedFileRefused",
+           "LocalRankWarning"]
 
 
 class CommClosedError(RuntimeError):
@@ -68,6 +69,19 @@ class PeerLost(NcclError):
 class CommShrunkError(CommClosedError):
     """The communicator was replaced by ``comm.shrink()`` (it, its subgroups, its buckets and
     its prepared calls refuse every call): use the communicator that ``shrink()`` returned."""
+
+
+class TooFewSurvivors(RuntimeError):
+    """:func:`cupycomm.resilient` stops: fewer ranks are left than its ``min_size``, or more
+    were lost than its ``max_failures``. Raised on every survivor alike, after the shrink and
+    the restore: ``comm`` is the survivors' communicator, ``state`` the last committed state
+    (the same on each; write a checkpoint from it), ``lost`` the lost world ranks (sorted)."""
+
+    def __init__(self, message: str, *, comm: Any, state: Any, lost: Tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.comm = comm
+        self.state = state
+        self.lost = tuple(sorted(lost))
 
 
 class SharedFileRefused(RuntimeError):

@@ -1,0 +1,88 @@
+"""A cupycomm.resilient loop that loses ranks, for tests/survivors/test_resilient.py: run under
+Open MPI's ULFM (``python -m cupycomm.run --survivors -n 4 loop.py ...``).
+
+    python loop.py --steps 8 --kill 3@2 --kill 1@5 [--min-size N] [--max-failures N]
+                   [--commit-every K] [--device]
+
+Each step adds the sum over the ranks of ones (the communicator's size) to a committed
+total (with ``--device``, also to one on the device, the NCCL stand-in, whose communicator
+the shrink replaces and over which the state is synced). ``--kill R@S`` makes world rank R
+kill itself (SIGKILL) first thing in step S, so the survivors go back to the last commit
+and run the steps from there on one rank fewer. Rank 0 of those that finish prints the
+total and the one expected from the kills; on TooFewSurvivors every survivor prints what it
+caught.
+"""
+import argparse
+import os
+import signal
+
+import numpy as np
+
+import cupycomm
+from cupycomm.testing import standin
+
+
+def counted_sizes(size, kill_steps, steps, commit_every):
+    """The communicator's size in each step that counted: a kill at step s rewinds the loop
+    to its last commit, and the steps from there are run again on one rank fewer."""
+    sizes, committed, i, pending = {}, 0, 0, sorted(kill_steps)
+    while i < steps:
+        if pending and pending[0] == i:
+            while pending and pending[0] == i:
+                pending.pop(0)
+                size -= 1
+            i = committed
+            continue
+        sizes[i] = size
+        i += 1
+        if i % commit_every == 0 or i == steps:
+            committed = i
+    return [sizes[i] for i in range(steps)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--kill", action="append", default=[], help="RANK@STEP")
+    parser.add_argument("--min-size", type=int, default=1)
+    parser.add_argument("--max-failures", type=int, default=None)
+    parser.add_argument("--device", action="store_true")
+    parser.add_argument("--commit-every", type=int, default=1)
+    args = parser.parse_args()
+    kills = [tuple(map(int, k.split("@"))) for k in args.kill]   # (rank, step)
+    comm = cupycomm.init(on_peer_loss="raise", device_module=standin if args.device else None)
+    me, size = comm.rank, comm.size
+    values = {"total": np.zeros(1)}
+    if args.device:
+        values["on_device"] = standin.asarray(np.zeros(1))
+    shrinks = []
+
+    def step(comm, state, i):
+        if (me, i) in kills:
+            os.kill(os.getpid(), signal.SIGKILL)
+        state.total += comm.all_reduce(np.ones(1))   # a loss is seen here, by MPI
+        if args.device:
+            state.on_device += comm.all_reduce(standin.asarray(np.ones(1)))
+
+    def on_shrink(comm, state, lost):
+        shrinks.append((lost, comm.size, state.completed))
+
+    try:
+        comm, state = cupycomm.resilient(step, cupycomm.State(**values), comm,
+                                         steps=args.steps, min_size=args.min_size,
+                                         max_failures=args.max_failures, on_shrink=on_shrink,
+                                         commit_every=args.commit_every)
+    except cupycomm.TooFewSurvivors as stop:
+        print(f"world rank {me} stopped: lost {stop.lost}, {stop.comm.size} left, state of "
+              f"step {stop.state.completed}, total {stop.state.total[0]:g}: {stop}", flush=True)
+        return
+    sizes = counted_sizes(size, [s for _, s in kills], args.steps, args.commit_every)
+    if args.device:
+        assert float(standin.asnumpy(state.on_device)[0]) == sum(sizes), state.on_device
+    if comm.rank == 0:
+        print(f"finished on {comm.size} ranks {comm.world_ranks}: total {state.total[0]:g}, "
+              f"expected {sum(sizes)}; shrinks {shrinks}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
