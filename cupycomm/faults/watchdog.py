@@ -198,7 +198,7 @@ class Tracker:
                 dead = self._gone_peer("", seq, now, left_counts=False)
                 if dead:
                     self._abort_device(device, f"{dead} while device collectives up to "
-                                       f"#{seq} on {describe_rank()} wait", peer_lost=True)
+                                       f"#{seq} wait", peer_lost=True)
         else:
             self._waiting = None
             waiting = False
