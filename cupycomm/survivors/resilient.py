@@ -98,15 +98,19 @@ def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
 
 
 def _together(comm: Communicator, action: Callable[..., Any], *args: Any) -> bool:
-    """Whether ``action(*args)`` ended without PeerLost on every rank of ``comm``: the same
-    answer on each, so that all survivors take the same branch next, even where a loss broke
-    a collective for some of them and not for others (a root that died after sending)."""
+    """Whether ``action(*args)`` ended without PeerLost, and without a loss known, on every
+    rank of ``comm``: the same answer on each, so that all survivors take the same branch
+    next, even where a loss broke a collective for some of them and not for others (a root
+    that died after sending). A loss known but not raised counts too: a device collective
+    that a dying peer cut short returns before its loss is raised (the watchdog aborts the
+    NCCL communicator; later calls raise PeerLost), its result undefined (all zeros on an
+    H200, benchmarks/results/gpu_h200_2026-11-27_survivors_run1.log)."""
     try:
         action(*args)
         finished = True
     except PeerLost:
         finished = False
-    return comm.agree(finished)
+    return comm.agree(finished and not comm.failed_ranks())
 
 
 def _shrink(comm: Communicator, state: State, start: frozenset, min_size: int,

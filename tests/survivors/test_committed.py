@@ -132,3 +132,26 @@ def test_resilient_refuses_a_closed_communicator():
     closed.close()
     with pytest.raises(cupycomm.CommClosedError, match="resilient: .* is closed"):
         cupycomm.resilient(step, cupycomm.State(w=np.zeros(1)), closed, steps=3)
+
+
+class _LossNotRaised:
+    """A communicator whose MPI knows of a lost rank that no call has raised yet (a device
+    collective a dying peer cut short): what resilient's agreement must count as a failure."""
+
+    def __init__(self, failed):
+        self.failed, self.voted = failed, []
+
+    def failed_ranks(self):
+        return list(self.failed)
+
+    def agree(self, flag):
+        self.voted.append(flag)
+        return flag
+
+
+@pytest.mark.parametrize("failed, counts", [((), True), ((2,), False)])
+def test_a_step_counts_only_where_no_loss_is_known(failed, counts):
+    from cupycomm.survivors.resilient import _together
+    comm = _LossNotRaised(failed)
+    assert _together(comm, lambda: None) is counts
+    assert comm.voted == [counts]
