@@ -233,8 +233,9 @@ def test_close_waits_for_the_watchdogs_use_of_the_communicator(dcomm, monkeypatc
 def test_after_an_abort_every_call_says_aborted(dcomm):
     backend = dcomm.init_device()
     assert backend.abort("a test")
-    with pytest.raises(cupycomm.NcclError, match="was aborted"):
-        backend.check_errors()
+    with pytest.raises(cupycomm.NcclError, match="all_reduce #3: the NCCL communicator was "
+                                                 "aborted"):
+        backend.check_errors("all_reduce #3")
     assert backend.async_error() == "" and not backend.has_pending_work()
     with pytest.raises(sd.NcclError, match="aborted"):
         backend._comm.check_async_error()        # NCCL's comm is freed: invalid argument
