@@ -576,11 +576,10 @@ class NcclBackend:
         """The error of ``call`` #``seq`` (the number it has, or would have had) once the
         communicator is aborted: PeerLost naming the lost world ranks where a death was
         the reason, as the host path's (:mod:`cupycomm.survivors`)."""
-        message = (f"{call} #{seq}: the NCCL communicator was aborted ({self._aborted}) on "
-                   f"rank {self._rank}")
+        message = f"the NCCL communicator was aborted ({self._aborted}) on rank {self._rank}"
         if self._lost is None:
-            return NcclError(message)
-        return PeerLost(f"{message}: lost world rank(s) {list(self._lost)}",
+            return NcclError(f"{call}: {message}")
+        return PeerLost(f"{call} #{seq}: {message}: lost world rank(s) {list(self._lost)}",
                         ranks=self._lost, call=call, seq=seq)
 
     def expired(self, label: str, timeout: float) -> None:
@@ -599,7 +598,7 @@ class NcclBackend:
         with self._lifetime:
             if self._aborted:
                 return False
-            self._aborted, self._lost = reason, lost
+            self._aborted, self._lost = reason, None if lost is None else tuple(sorted(lost))
             self._comm.abort()
         return True
 
