@@ -18,7 +18,7 @@ from ._validate import Checks
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
 from .faults.watchdog import Tracker, watch
-from .survivors.state import Survival
+from .survivors.state import Survival, world_ranks
 
 __all__ = ["Parts", "watched"]
 
@@ -47,7 +47,7 @@ def watched(mpi_comm: MPI.Comm, name: str, timeout: float) -> Tuple[Tracker, int
     beats = Heartbeats.connect(mpi_comm, node, board, name) if board is not None else None
     local_rank = node.Get_rank()
     node.Free()
-    tracker = Tracker(name, rank, size, timeout, board, beats)
+    tracker = Tracker(name, rank, size, timeout, board, beats, world_ranks(mpi_comm))
     if size > 1:
         watch(tracker)
     return tracker, local_rank

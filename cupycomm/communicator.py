@@ -57,7 +57,7 @@ from .batch import Batch, block
 from .backends.mpi import PreparedCalls
 from .objects import Objects
 from .survivors.shrink import shrink as _shrink
-from .survivors.state import survival_for, world_ranks
+from .survivors.state import survival_for
 from .work import Work
 
 __all__ = ["Communicator", "Parts", "DEFAULT_TIMEOUT"]
@@ -536,8 +536,7 @@ class Communicator:
     def world_ranks(self) -> Tuple[int, ...]:
         """The rank in the job's world (``MPI.COMM_WORLD``) of each rank of this communicator,
         kept by ``shrink()``: after world rank 1 of 4 is lost, ``(0, 2, 3)``."""
-        survival = self.parts.survival
-        return world_ranks(self._mpi) if survival is None else survival.world_ranks
+        return self.parts.tracker.world_ranks
 
     def failed_ranks(self) -> List[int]:
         """The world ranks of this communicator known to be lost (sorted): those the survivors

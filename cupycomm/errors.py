@@ -54,8 +54,9 @@ class PeerLost(NcclError):
 
     ``ranks`` are the lost ranks in the numbering of the job's world (a sorted tuple; empty
     where unknown), ``call`` the collective's name and ``seq`` its sequence number on the
-    communicator (-1 where unknown). It subclasses NcclError, which the device side raised
-    first.
+    communicator (-1 where unknown), on the host and on the device alike (there: the
+    ranks the watchdog saw die; for a refused call, the number it would have had). It
+    subclasses NcclError, which the device side raised first.
     """
 
     def __init__(self, message: str, *, ranks: Tuple[int, ...] = (), call: str = "",

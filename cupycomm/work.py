@@ -20,6 +20,7 @@ cancel a collective), as a blocking collective past the communicator's timeout d
 from __future__ import annotations
 
 import abc
+import functools
 import time
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
@@ -95,7 +96,8 @@ class Work(abc.ABC):
         owner = self._owner
         assert owner is not None, "a WorkGroup waits through its Works"
         # (poll_until gives up only at a timeout)
-        if not poll_until(self._test, timeout, owner.check_errors) and timeout is not None:
+        check = functools.partial(owner.check_errors, self._label)
+        if not poll_until(self._test, timeout, check) and timeout is not None:
             owner.expired(self._label, timeout)
         self._complete()
 

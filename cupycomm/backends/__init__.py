@@ -24,7 +24,7 @@ The doors, as small protocols (the annotations of their callers use them):
 """
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Protocol, Sequence
+from typing import Any, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 __all__ = ["Collectives", "HostBackend", "DeviceBackend", "Completion", "HostCompletion",
            "DeviceCompletion", "Health", "Marks", "Ring"]
@@ -88,8 +88,9 @@ class Collectives(Protocol):
 
 
 class Completion(Protocol):
-    def check_errors(self) -> None:
-        """Raise if the backend has failed meanwhile (NCCL's asynchronous errors)."""
+    def check_errors(self, label: str) -> None:
+        """Raise if the backend has failed meanwhile (NCCL's asynchronous errors) while the
+        Work ``label`` ("all_reduce #12") waits."""
 
     def expired(self, label: str, timeout: float) -> None:
         """``wait(timeout=)`` of the call ``label`` ran out: never returns."""
@@ -109,7 +110,7 @@ class DeviceCompletion(Completion, Protocol):
 class Health(Protocol):
     def has_pending_work(self) -> bool: ...
     def async_error(self) -> str: ...
-    def abort(self, reason: str, peer_lost: bool = False) -> bool: ...
+    def abort(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> bool: ...
     def pending(self, seq: int) -> str: ...
 
 

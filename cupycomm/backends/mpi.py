@@ -599,7 +599,7 @@ class MPIBackend(HostBackend):
         finally:
             tracker.busy = None
 
-    def check_errors(self) -> None:
+    def check_errors(self, label: str) -> None:
         """MPI reports errors synchronously; nothing to poll."""
 
     def expired(self, label: str, timeout: float) -> None:

@@ -62,7 +62,7 @@ import ctypes
 import functools
 import importlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Tuple
 
 from .._bootstrap import broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
@@ -194,7 +194,7 @@ class NcclBackend:
         self._replays = (0, 0)    # (graph replays by launch_graph, the collective before the last)
         self._group: Any = None   # the open batch() block, if any
         self._aborted = ""        # why the NCCL communicator can no longer be used
-        self._peer_lost = False
+        self._lost: Optional[Tuple[int, ...]] = None   # the world ranks whose death aborted it
         # Every use of the NCCL communicator (launches, the watchdog's, abort, close): NCCL's
         # communicator is not thread-safe, and ncclCommAbort frees what a launch uses.
         self._lifetime = threading.Lock()
@@ -231,7 +231,7 @@ class NcclBackend:
         call: see :meth:`_launch_async`."""
         with self._lifetime:   # (not while the watchdog aborts it)
             if self._aborted:
-                raise self._was_aborted(label)
+                raise self._was_aborted(label, self._tracker.seq + 1)
             if _thread() != self._owner:
                 self._take_over(label)
             tracker = self._tracker
@@ -371,7 +371,7 @@ class NcclBackend:
             return
         with self._lifetime:
             if self._aborted:
-                raise self._was_aborted("batch")
+                raise self._was_aborted("batch", self._tracker.seq)
             with self._device:
                 self._launch_group(group)
 
@@ -499,12 +499,12 @@ class NcclBackend:
         if not hasattr(self._comm, "commSplit") or self._nccl_module.get_version() < 21801:
             return None
         if self._aborted:
-            raise self._was_aborted("split")
+            raise self._was_aborted("split", self._tracker.seq)
         # CuPy's docstring of commSplit: collectives still in flight may deadlock it.
         self._synchronize()
         with self._lifetime, self._device:
             if self._aborted:
-                raise self._was_aborted("split")
+                raise self._was_aborted("split", self._tracker.seq)
             return self._nccl(lambda: self._comm.commSplit(-1 if color is None else color, key),
                               "split")
 
@@ -516,7 +516,7 @@ class NcclBackend:
         covers all of them. Refused once the communicator was aborted (its memory is freed)."""
         with self._lifetime:
             if self._aborted:
-                raise self._was_aborted("launch_graph")
+                raise self._was_aborted("launch_graph", self._tracker.seq)
             with self._device:
                 here = self._current_stream(self.device_id) if stream is None else stream
                 graph.launch(here)
@@ -561,18 +561,26 @@ class NcclBackend:
             f"it began: the capture cannot wait on outside work; call wait() before "
             f"begin_capture(), on rank {self._rank}")
 
-    def check_errors(self) -> None:
+    def check_errors(self, label: str) -> None:
         """Raise :class:`NcclError` if NCCL reported an asynchronous error or the communicator
-        was aborted (:class:`PeerLost` if that was for a peer that died)."""
+        was aborted (:class:`PeerLost` if that was for a peer that died), while the Work
+        ``label`` ("all_reduce #12") waits."""
         with self._lifetime:   # not while the watchdog aborts it
             if self._aborted:
-                raise self._was_aborted("wait")
+                name, _, number = label.partition(" #")
+                raise self._was_aborted(name, int(number) if number.isdigit() else
+                                        self._tracker.seq)
             self._nccl(self._comm.check_async_error, "asynchronous error")
 
-    def _was_aborted(self, label: str) -> NcclError:
-        kind = PeerLost if self._peer_lost else NcclError
-        return kind(f"{label}: the NCCL communicator was aborted ({self._aborted}) on rank "
-                    f"{self._rank}")
+    def _was_aborted(self, call: str, seq: int) -> NcclError:
+        """The error of ``call`` #``seq`` (the number it has, or would have had) once the
+        communicator is aborted: PeerLost naming the lost world ranks where a death was
+        the reason, as the host path's (:mod:`cupycomm.survivors`)."""
+        message = f"the NCCL communicator was aborted ({self._aborted}) on rank {self._rank}"
+        if self._lost is None:
+            return NcclError(f"{call}: {message}")
+        return PeerLost(f"{call} #{seq}: {message}: lost world rank(s) {list(self._lost)}",
+                        ranks=self._lost, call=call, seq=seq)
 
     def expired(self, label: str, timeout: float) -> None:
         name, at, late, arrivals = self._tracker.arrivals(label)
@@ -583,14 +591,14 @@ class NcclBackend:
             f"communicator cannot run device collectives any more",
             collective=name, seq=at, missing=late)
 
-    def abort(self, reason: str, peer_lost: bool = False) -> bool:
+    def abort(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> bool:
         """Abort the NCCL communicator: its pending operations end, it cannot be used again
-        (``peer_lost``: because a peer died). Returns whether this call aborted it (False if
-        it already was)."""
+        (``lost``: because these world ranks died; later calls raise PeerLost naming them).
+        Returns whether this call aborted it (False if it already was)."""
         with self._lifetime:
             if self._aborted:
                 return False
-            self._aborted, self._peer_lost = reason, peer_lost
+            self._aborted, self._lost = reason, None if lost is None else tuple(sorted(lost))
             self._comm.abort()
         return True
 

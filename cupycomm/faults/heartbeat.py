@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Dict, List, NamedTuple, Optional, cast
+from typing import Dict, List, NamedTuple, Optional, Tuple, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -61,6 +61,7 @@ class Departure(NamedTuple):
     seq: int        # the collectives it issued before it left
     since: float    # time.monotonic() when the leader learnt it
     how: str        # for a death: what happened
+    ranks: Tuple[int, ...]   # the ranks gone, in the communicator's numbering
 
 
 class Heartbeats:
@@ -132,12 +133,13 @@ class Heartbeats:
                              f"communicator {self.name}", 0, seq, at_ns / 1e9,
                              f"has sent no heartbeat for more than {self.bound:g} s "
                              f"(CUPYCOMM_HEARTBEAT_TIMEOUT): it is taken as dead (every "
-                             f"process of the job on it ended, or it lost the network)")
+                             f"process of the job on it ended, or it lost the network)",
+                             tuple(self.ranks[node]))
         rank = gone - 1
         return Departure(f"rank {rank} of communicator {self.name} (node "
                          f"{self.nodes[self.node_of[rank]]})", left if left != DIED else 0,
                          seq, at_ns / 1e9, "has died (its process ended: os._exit, a "
-                         "signal or a crash), as its node's heartbeat says")
+                         "signal or a crash), as its node's heartbeat says", (rank,))
 
     # -- the leader: its watchdog thread, then its close ----------------------------------------
     def poll(self, now: float) -> None:

@@ -30,8 +30,10 @@ ten times a second and:
 - when the device backend has work that has not finished for longer than the timeout, or NCCL
   reports an asynchronous error: aborts the NCCL communicator (its kernels end, every later
   device call raises :class:`~cupycomm.errors.NcclError`) and says so; when a peer on this
-  node has died while such work is pending, at once, and later device calls (and the
-  pending Work's ``wait``/``synchronize``) raise :class:`~cupycomm.errors.PeerLost`;
+  node has died (or, as the heartbeats say, one on another node) while such work is
+  pending, at once, and later device calls (and the pending Work's
+  ``wait``/``synchronize``) raise :class:`~cupycomm.errors.PeerLost` naming the dead ranks
+  in the world's numbering (the tracker's ``world_ranks``), as the host path does;
 - while a call is blocked or device work is pending, and only then, re-arms a C-level timer
   (``faulthandler.dump_traceback_later``): if this thread cannot look for the timeout plus a
   margin (the timeout again, at least 10 s and at most 30 s, so that a loaded machine delaying
@@ -60,7 +62,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Tuple
 
 from .._bootstrap import describe_rank
 from .._collectives import BY_NAME, CALLS, POINT_TO_POINT
@@ -103,10 +105,11 @@ class Tracker:
     """
 
     __slots__ = ("seq", "busy", "name", "rank", "size", "timeout", "board", "beats", "device",
-                 "flight", "_waiting", "__weakref__")
+                 "flight", "world_ranks", "_waiting", "__weakref__")
 
     def __init__(self, name: str, rank: int, size: int, timeout: float,
-                 board: Optional[NodeBoard] = None, beats: Optional[Heartbeats] = None) -> None:
+                 board: Optional[NodeBoard] = None, beats: Optional[Heartbeats] = None,
+                 world_ranks: Optional[Tuple[int, ...]] = None) -> None:
         self.seq = 0
         self.busy: Optional[str] = None   # the blocking call in progress, set by the call path
         self.name = name
@@ -117,6 +120,8 @@ class Tracker:
         self.beats = beats   # the cross-node view, when the communicator spans nodes
         self.device: Optional[Health] = None   # the NCCL backend, once there is one
         self.flight = Recorder(name, rank, board, self._progress)   # a slot per call
+        # each rank's in the world: a lost peer is named so (by default the world's own)
+        self.world_ranks = tuple(range(size)) if world_ranks is None else world_ranks
         self._waiting: Optional[tuple] = None   # ((seq, busy) or "device", since when)
 
     # -- called by the backends on the main thread ------------------------------------------------
@@ -183,7 +188,7 @@ class Tracker:
                           f"{waited:.0f} s (timeout {self.timeout:g} s) on {describe_rank()}; "
                           f"{self._arrivals(at, name)[1]}; MPI cannot cancel a collective")
             elif self.board is not None:
-                gone = self._gone_peer(name, at, now)
+                gone, _ = self._gone_peer(name, at, now)
                 if gone:
                     abort_job(f"{gone} while {describe_rank()} waits in {name} #{at}")
         elif device is not None and device.has_pending_work():
@@ -195,10 +200,11 @@ class Tracker:
             elif self.board is not None:
                 # A peer that left cleanly closed its communicator, which waits for its
                 # device work: only a death can leave this rank's NCCL kernels waiting.
-                dead = self._gone_peer("", seq, now, left_counts=False)
+                dead, ranks = self._gone_peer("", seq, now, left_counts=False)
                 if dead:
                     self._abort_device(device, f"{dead} while device collectives up to "
-                                       f"#{seq} wait", peer_lost=True)
+                                       f"#{seq} wait",
+                                       tuple(sorted(self.world_ranks[r] for r in ranks)))
         else:
             self._waiting = None
             waiting = False
@@ -208,9 +214,11 @@ class Tracker:
                 self._abort_device(device, f"NCCL reported an asynchronous error: {error}")
         return waiting
 
-    def _gone_peer(self, name: str, at: int, now: float, left_counts: bool = True) -> str:
-        """A text naming a peer, on this node or (as its heartbeats relay) on another one,
-        that this rank may be waiting for in call ``at`` and that is gone, or '' (see the
+    def _gone_peer(self, name: str, at: int, now: float,
+                   left_counts: bool = True) -> Tuple[str, Tuple[int, ...]]:
+        """(a text naming a peer, on this node or (as its heartbeats relay) on another one,
+        that this rank may be waiting for in call ``at`` and that is gone, or ''; its ranks
+        in the communicator's numbering: a silent node's are all of its own) (see the
         module docstring for when a peer that left counts)."""
         left_counts = left_counts and name not in POINT_TO_POINT
         surviving, host_wait = policy.raising(), bool(name)
@@ -225,25 +233,29 @@ class Tracker:
             else:
                 continue
             if state:
-                return f"rank {row[RANK]} of communicator {self.name} (pid {row[PID]}) {state}"
+                return (f"rank {row[RANK]} of communicator {self.name} (pid {row[PID]}) "
+                        f"{state}", (int(row[RANK]),))
         remote = self.beats.departure() if self.beats is not None else None
         if remote is not None:
             state = (_left(remote.left, remote.seq, remote.since, at, now, left_counts)
                      if remote.left else "" if surviving and host_wait else remote.how)
             if state:
-                return f"{remote.who} {state}"
-        return ""
+                return f"{remote.who} {state}", remote.ranks
+        return "", ()
 
     def _waited(self, key: tuple, now: float) -> float:
         if self._waiting is None or self._waiting[0] != key:
             self._waiting = (key, now)
         return now - self._waiting[1]
 
-    def _abort_device(self, device: Health, reason: str, peer_lost: bool = False) -> None:
-        if device.abort(reason, peer_lost):
+    def _abort_device(self, device: Health, reason: str,
+                      lost: Optional[Tuple[int, ...]] = None) -> None:
+        """Abort the device communicator for ``reason``; ``lost``: the world ranks whose
+        death it is (later device calls raise PeerLost naming them)."""
+        if device.abort(reason, lost):
             sys.stderr.write(f"cupycomm watchdog: {reason} on {describe_rank()}; the NCCL "
                              f"communicator was aborted: later device calls raise "
-                             f"{'PeerLost' if peer_lost else 'NcclError'}\n")
+                             f"{'NcclError' if lost is None else 'PeerLost'}\n")
             sys.stderr.flush()
         self._waiting = None
 

@@ -61,7 +61,7 @@ def retire(comm: "Communicator", survival: "Survival") -> None:
     parts.checks.shrunk = True   # every later call: CommShrunkError
     device = parts.router.device
     if device is not None:   # aborted, never destroyed (see the module)
-        device.abort("the communicator was shrunk after a peer was lost", peer_lost=True)
+        device.abort("the communicator was shrunk after a peer was lost", survival.lost or ())
     try:
         comm.close()
     except (PeerLost, MPI.Exception):

@@ -35,7 +35,7 @@ def survival_for(mpi_comm: MPI.Comm, tracker: Any, router: Any) -> Optional["Sur
     from now on; None in "abort" mode."""
     if not policy.raising():
         return None
-    survival = Survival(mpi_comm, router)
+    survival = Survival(mpi_comm, router, tracker.world_ranks)
     enlist(tracker, survival)
     return survival
 
@@ -54,10 +54,10 @@ def world_ranks(mpi_comm: MPI.Comm) -> Tuple[int, ...]:
 class Survival:
     """What a communicator of the "raise" mode knows of its lost peers; see the module."""
 
-    def __init__(self, mpi_comm: MPI.Comm, router: Any) -> None:
+    def __init__(self, mpi_comm: MPI.Comm, router: Any, ranks: Tuple[int, ...]) -> None:
         self._mpi = mpi_comm
         self._router = router
-        self.world_ranks = world_ranks(mpi_comm)
+        self.world_ranks = ranks   # of each rank of mpi_comm (its tracker's)
         self.lost: Optional[Tuple[int, ...]] = None   # world ranks, once a loss was seen
         self._successor: Optional[MPI.Comm] = None    # the survivors, shrunk at that loss
         self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()   # split from this one
@@ -136,7 +136,7 @@ class Survival:
         self.lost = tuple(r for r in self.world_ranks if r not in kept)
         device = self._router.device
         if device is not None:
-            device.abort(f"world rank(s) {list(self.lost)} lost", peer_lost=True)
+            device.abort(f"world rank(s) {list(self.lost)} lost", self.lost)
         return self.lost
 
     def revoke(self) -> None:

@@ -233,8 +233,9 @@ def test_close_waits_for_the_watchdogs_use_of_the_communicator(dcomm, monkeypatc
 def test_after_an_abort_every_call_says_aborted(dcomm):
     backend = dcomm.init_device()
     assert backend.abort("a test")
-    with pytest.raises(cupycomm.NcclError, match="was aborted"):
-        backend.check_errors()
+    with pytest.raises(cupycomm.NcclError, match="all_reduce: the NCCL communicator was "
+                                                 "aborted"):
+        backend.check_errors("all_reduce #3")
     assert backend.async_error() == "" and not backend.has_pending_work()
     with pytest.raises(sd.NcclError, match="aborted"):
         backend._comm.check_async_error()        # NCCL's comm is freed: invalid argument
@@ -271,6 +272,25 @@ def test_asynchronous_nccl_error_surfaces_while_waiting(dcomm):
     with pytest.raises(cupycomm.NcclError, match="remote process exited"):
         work.synchronize(timeout=5)
     held.pending.clear()   # the collective never ran anywhere: drop it on every rank
+
+
+def test_after_an_abort_for_a_loss_every_call_raises_peer_lost_naming_it(dcomm):
+    """As the host path's PeerLost: the lost world ranks (sorted), the call, its number (a
+    Work's own; for a refused launch, the one it would have had)."""
+    backend = dcomm.init_device()
+    dcomm.all_reduce(sd.asarray(np.ones(2)))
+    seq = dcomm.parts.tracker.seq
+    assert backend.abort("a test of a loss", (4, 1))
+    with pytest.raises(cupycomm.PeerLost, match=rf"all_reduce #{seq + 1}: the NCCL "
+                                                rf"communicator was aborted \(a test of a "
+                                                rf"loss\) .*lost world rank\(s\) \[1, 4\]") as raised:
+        dcomm.all_reduce(sd.asarray(np.ones(2)))
+    assert (raised.value.ranks, raised.value.call, raised.value.seq) == ((1, 4), "all_reduce",
+                                                                        seq + 1)
+    assert dcomm.parts.tracker.seq == seq   # a refused call is not counted
+    with pytest.raises(cupycomm.PeerLost) as raised:
+        backend.check_errors("recv #7")
+    assert (raised.value.ranks, raised.value.call, raised.value.seq) == ((1, 4), "recv", 7)
 
 
 def test_device_timeout_aborts_the_nccl_communicator(dcomm):

@@ -82,14 +82,23 @@ def device_peer_dies() -> None:
     dies: their watchdog aborts the NCCL communicator and the wait raises PeerLost."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from cupycomm.testing import standin
-    comm = cupycomm.init(timeout=60.0, device_module=standin)
+    world = cupycomm.init(timeout=60.0, device_module=standin)
+    # reversed, so that PeerLost's world numbering differs from this communicator's
+    comm = world.split(0, key=world.size - world.rank)
     comm.init_device()
-    culprit = comm.size - 1
+    culprit = comm.size - 1   # world rank 0
     if comm.rank == culprit:
         time.sleep(1.0)   # the others' receives are posted by then
         os._exit(0)
     work = comm.irecv(standin.empty(4), culprit)
-    work.synchronize()
+    seq = comm.parts.tracker.seq   # the irecv's number (a "recv")
+    try:
+        work.synchronize()
+    except cupycomm.PeerLost as lost:
+        print(f"rank {comm.rank}: PeerLost ranks={lost.ranks} call={lost.call} "
+              f"seq={lost.seq} (recv #{seq}, world rank {comm.world_ranks[culprit]} killed)",
+              flush=True)
+        raise
     print(f"rank {comm.rank} finished with a message from a dead rank", flush=True)
 
 

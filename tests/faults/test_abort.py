@@ -4,6 +4,8 @@ handler and the watchdog's naming of the departed, cupycomm/faults/abort.py).
 
 Each scenario runs as a job of its own (tests/faults/fault_jobs.py says how).
 """
+import re
+
 import pytest
 
 from fault_jobs import ended_quickly, no_rank_finished, run
@@ -66,5 +68,11 @@ def test_a_dead_peer_ends_a_device_wait_with_peer_lost():
     ended_quickly(job)
     assert job.returncode != 0
     assert "has died (its process ended: os._exit, a signal or a crash)" in job.output, job.output
-    assert "cupycomm.errors.PeerLost: wait: the NCCL communicator was aborted" in job.output
+    assert re.search(r"cupycomm.errors.PeerLost: recv #\d+: the NCCL communicator was "
+                     r"aborted", job.output), job.output
+    lost = re.findall(r"rank (\d+): PeerLost ranks=(.*) call=(\w+) seq=(\d+) "
+                      r"\(recv #(\d+), world rank (\d+) killed\)", job.output)
+    assert lost, job.output
+    for _, ranks, call, seq, expected_seq, killed in lost:   # every survivor that says
+        assert (ranks, call, seq) == (f"({killed},)", "recv", expected_seq), job.output
     no_rank_finished(job)

@@ -18,6 +18,7 @@ from cupycomm.faults.board import CLOSED, FIELDS, LEFT, LEFT_AT, PID, RANK, SEQ,
 from cupycomm._collectives import BY_NAME
 from cupycomm.faults import abort
 from cupycomm.faults.abort import abort_job
+from cupycomm.faults.heartbeat import Departure
 from cupycomm.faults.watchdog import GRACE, HOLD_MARGIN, Tracker, _Watchdog, unwatch
 from cupycomm.backends.mpi import PREPARED, MPIBackend
 
@@ -243,6 +244,63 @@ def test_a_peer_that_died_without_leaving_ends_the_job_at_once(node):
     tracker.check(0.0)
     assert len(aborted) == 1 and "rank 1 of communicator test" in aborted[0]
     assert "has died" in aborted[0] and "waits in recv #3" in aborted[0]
+
+
+class _Device:
+    """A device backend with collectives pending for ever; the aborts it was told of."""
+
+    def __init__(self) -> None:
+        self.aborts: list = []
+
+    def has_pending_work(self) -> bool:
+        return True
+
+    def async_error(self) -> str:
+        return ""
+
+    def pending(self, seq: int) -> str:
+        return f"device collectives up to #{seq} have"
+
+    def abort(self, reason: str, lost=None) -> bool:
+        self.aborts.append((reason, lost))
+        return len(self.aborts) == 1
+
+
+def test_a_dead_peer_aborts_device_work_naming_its_world_rank(node):
+    """The board's rank is the communicator's: the abort (hence PeerLost) names the world's."""
+    tracker, peer, aborted = node
+    tracker.world_ranks = (5, 3)
+    tracker.device = device = _Device()
+    tracker.seq = 4
+    tracker.check(0.0)
+    assert device.aborts == []                  # the peer lives: only the timeout would abort
+    peer.mine[PID] = _ended_pid()
+    tracker.check(0.1)
+    assert aborted == [] and len(device.aborts) == 1
+    reason, lost = device.aborts[0]
+    assert lost == (3,) and "rank 1 of communicator test" in reason and "has died" in reason
+    assert "device collectives up to #4 wait" in reason
+
+
+def test_a_peer_dead_on_another_node_aborts_device_work_naming_its_world_ranks(node):
+    """The heartbeats' departure (a silent node: all its ranks) in the world's numbering."""
+    tracker, peer, aborted = node
+
+    class Beats:
+        def poll(self, now: float) -> None:
+            pass
+
+        def departure(self) -> Departure:
+            return Departure("node b (ranks [3, 2]) of communicator test", 0, 0, 0.0,
+                             "has sent no heartbeat", (3, 2))
+
+    tracker.world_ranks, tracker.beats = (0, 7, 6, 5), Beats()
+    tracker.device = device = _Device()
+    tracker.check(0.0)
+    assert aborted == [] and len(device.aborts) == 1
+    reason, lost = device.aborts[0]
+    assert lost == (5, 6) and reason.startswith("node b (ranks [3, 2]) of communicator test "
+                                                "has sent no heartbeat while device")
 
 
 def test_a_peer_blocked_in_another_collective_of_the_same_number_is_named(node):
