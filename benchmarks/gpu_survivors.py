@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
@@ -49,14 +49,35 @@ def device_sum(comm: Any, xp: Any, me: int) -> np.ndarray:
     return np.asarray(getattr(xp, "asnumpy", np.asarray)(y))
 
 
+def go_on(comm: Any, xp: Any, me: int, directory: str, round_number: int, victim: int,
+          work: Callable[[Any], None]) -> Optional[Any]:
+    """One round: ``work(comm)``, which the victim's end must make raise PeerLost, then the
+    shrink and a device all_reduce of the survivors, checked; the shrunk communicator, or
+    None (said) where nothing was raised."""
+    try:
+        work(comm)
+    except cupycomm.PeerLost as lost:
+        seen = f"PeerLost(ranks={lost.ranks}, call={lost.call!r}, seq={lost.seq})"
+    else:
+        print(f"world rank {me}: round {round_number}: no PeerLost", flush=True)
+        return None
+    comm = comm.shrink()
+    expected = float(sum(r + 1 for r in comm.world_ranks))
+    np.testing.assert_array_equal(device_sum(comm, xp, me), np.full(4, expected))
+    print(f"world rank {me}: round {round_number}: {seen}; shrunk to {comm.size} rank(s) "
+          f"{comm.world_ranks}; device all_reduce ok {since_kill(directory, victim):.3f} s "
+          "after the kill", flush=True)
+    return comm
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory")
     parser.add_argument("--device-module", default="cupy")
     args = parser.parse_args()
     xp = importlib.import_module(args.device_module)
-    options = {} if args.device_module == "cupy" else {"device_module": xp}
-    comm = cupycomm.init(on_peer_loss="raise", timeout=30, **options)
+    options: Dict[str, Any] = {} if args.device_module == "cupy" else {"device_module": xp}
+    comm: Any = cupycomm.init(on_peer_loss="raise", timeout=30, **options)
     me = comm.rank
     expected = np.full(4, float(sum(r + 1 for r in range(comm.size))))
     np.testing.assert_array_equal(device_sum(comm, xp, me), expected)
@@ -68,34 +89,21 @@ def main() -> int:
     # Round 1: a loss that a host call sees.
     if me == 2:
         kill_self(args.directory, me)
-    try:
-        comm.all_reduce(np.ones(1))
-        print(f"world rank {me}: round 1: no PeerLost", flush=True)
+    comm = go_on(comm, xp, me, args.directory, 1, 2, lambda c: c.all_reduce(np.ones(1)))
+    if comm is None:
         return 1
-    except cupycomm.PeerLost as lost:
-        seen = f"PeerLost(ranks={lost.ranks}, call={lost.call!r}, seq={lost.seq})"
-    comm = comm.shrink()
-    np.testing.assert_array_equal(device_sum(comm, xp, me), np.full(4, 3.0))
-    print(f"world rank {me}: round 1: {seen}; shrunk to {comm.size} ranks "
-          f"{comm.world_ranks}; device all_reduce ok {since_kill(args.directory, 2):.3f} s "
-          "after the kill", flush=True)
 
     # Round 2: a loss that blocks a device collective.
     if me == 1:
         time.sleep(0.5)   # rank 0 is waiting in its device all_reduce by then
         kill_self(args.directory, me)
-    try:
-        device_sum(comm, xp, me)          # the dead peer never sends: the watchdog ends it
-        comm.all_reduce(np.ones(1))       # the loss, if the device call did not raise it
-        print(f"world rank {me}: round 2: no PeerLost", flush=True)
+
+    def blocked(c: Any) -> None:
+        device_sum(c, xp, me)          # the dead peer never sends: the watchdog ends it
+        c.all_reduce(np.ones(1))       # the loss, if the device call did not raise it
+    comm = go_on(comm, xp, me, args.directory, 2, 1, blocked)
+    if comm is None:
         return 1
-    except cupycomm.PeerLost as lost:
-        seen = f"PeerLost(ranks={lost.ranks}, call={lost.call!r}, seq={lost.seq})"
-    comm = comm.shrink()
-    np.testing.assert_array_equal(device_sum(comm, xp, me), np.full(4, 1.0))
-    print(f"world rank {me}: round 2: {seen}; shrunk to {comm.size} rank "
-          f"{comm.world_ranks}; device all_reduce ok {since_kill(args.directory, 1):.3f} s "
-          "after the kill", flush=True)
     comm.close()
     return 0
 

@@ -21,6 +21,28 @@ import cupycomm
 from cupycomm.devices.prefetch import _stage
 
 
+def per_batch(stream: Any, loop: Callable[[], Any], batches: int) -> float:
+    """Seconds per batch of ``loop()`` over ``batches`` batches on ``stream``: the better of
+    two runs after an untimed one (the memory pool's first allocations, the kernels'
+    compilation at their first launch)."""
+    loop()
+    times = []
+    for _ in range(2):
+        stream.synchronize()
+        start = time.perf_counter()
+        loop()
+        stream.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times) / batches
+
+
+def step(x: Any, reps: int) -> Any:
+    """The compute step: ``reps`` repetitions of two elementwise kernels over ``x``."""
+    for _ in range(reps):
+        x = x * np.float32(0.999) + np.float32(0.5)
+    return x
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="MiB per batch (64)")
@@ -38,21 +60,7 @@ def main() -> None:
         stream = cuda.Stream(non_blocking=True)
         with stream:
             def best(loop: Callable[[], Any]) -> float:
-                """Seconds per batch, the better of two runs after an untimed one."""
-                loop()
-                times = []
-                for _ in range(2):
-                    stream.synchronize()
-                    start = time.perf_counter()
-                    loop()
-                    stream.synchronize()
-                    times.append(time.perf_counter() - start)
-                return min(times) / len(batches)
-
-            def step(x: Any, reps: int) -> Any:
-                for _ in range(reps):
-                    x = x * np.float32(0.999) + np.float32(0.5)
-                return x
+                return per_batch(stream, loop, len(batches))
 
             memory = cuda.alloc_pinned_memory(count * 4)
             pinned = np.ndarray((count,), np.float32, buffer=memory)

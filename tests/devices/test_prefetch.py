@@ -3,10 +3,11 @@ items pass through; on the stand-in, every dtype and nested items arrive, the co
 stream waits for the copies, a staging buffer is rewritten only after its copy has read it,
 device memory is written only after the consumer's earlier work; errors come in order; on a
 GPU, the overlap it is for. Per-process: under mpiexec each rank runs its own."""
+import importlib.util
 import os
 import sys
-import time
 from collections import namedtuple
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,6 +224,15 @@ def test_the_end_of_the_items_frees_the_staging_buffers():
 
 
 # -- real GPU -------------------------------------------------------------------------------------
+def _prefetch_overlap():
+    """benchmarks/prefetch_overlap.py, whose timing and step the GPU test shares."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefetch_overlap.py"
+    spec = importlib.util.spec_from_file_location("prefetch_overlap", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.gpu
 @pytest.mark.mpi(max_size=1)   # a timing: not with every rank of a shared GPU at once
 @pytest.mark.skipif(GPU is None, reason=GPU_SKIP_REASON)
@@ -241,23 +251,11 @@ def test_gpu_items_arrive_and_the_loop_overlaps_copies_with_compute():
             for got, expected in zip(cupycomm.prefetch(batches[:3], 0), batches[:3]):
                 np.testing.assert_array_equal(cupy.asnumpy(got), expected)
 
-            def step(x, reps):
-                for _ in range(reps):
-                    x = x * np.float32(0.999) + np.float32(0.5)
-                return x
+            bench = _prefetch_overlap()
+            step = bench.step
 
             def per_batch(loop):
-                """Seconds per batch, the better of two runs after an untimed one (the memory
-                pool's first allocations, the kernels' compilation at their first launch)."""
-                loop()
-                times = []
-                for _ in range(2):
-                    stream.synchronize()
-                    start = time.perf_counter()
-                    loop()
-                    stream.synchronize()
-                    times.append(time.perf_counter() - start)
-                return min(times) / len(batches)
+                return bench.per_batch(stream, loop, len(batches))
             copy = per_batch(lambda: [cupy.asarray(b) for b in batches])
             x = cupy.asarray(batches[0])
             reps = max(1, round(10 * copy / (per_batch(lambda: step(x, 10)) * len(batches))))
