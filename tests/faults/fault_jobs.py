@@ -50,3 +50,6 @@ def nodes_of(comm):
 
 # hydra's own failure after every rank finished (docs/guide/faults-and-timeouts.md)
 HYDRA_OWN_FAILURE = "unable to send SIGUSR1 downstream"
+# hydra's proxy failing its own assertion at a rank's exit, then killing the job before any
+# rank can name what happened (seen once in a whole CI run; the same guide)
+HYDRA_PROXY_ASSERTION = "pmip_control_cmd_cb"

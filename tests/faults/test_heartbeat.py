@@ -11,7 +11,7 @@ import pytest
 
 import cupycomm
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
-from fault_jobs import (BOUND, HYDRA_OWN_FAILURE, LAUNCHER, SCENARIO, ended_quickly,
+from fault_jobs import (BOUND, HYDRA_OWN_FAILURE, HYDRA_PROXY_ASSERTION, LAUNCHER, SCENARIO, ended_quickly,
                         no_rank_finished, nodes_of)
 
 
@@ -86,6 +86,8 @@ def test_a_failure_on_another_node_ends_the_job_in_seconds_naming_it(name, clean
     no_rank_finished(job)
     if cleanup == "hydra's cleanup" and name in KILLED_BY_A_SIGNAL:
         assert "RUNNING AT node1" in job.output and "EXIT CODE: 9" in job.output, job.output
+    elif cleanup == "hydra's cleanup" and HYDRA_PROXY_ASSERTION in job.output:
+        assert "BAD TERMINATION" in job.output and "RUNNING AT node" in job.output, job.output
     else:
         assert any(text in job.output for text in named), job.output
         if name != "raise-before-collective":   # the abort handler's end, not a wait's
