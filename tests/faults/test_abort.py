@@ -70,7 +70,7 @@ def test_a_dead_peer_ends_a_device_wait_with_peer_lost():
     assert "has died (its process ended: os._exit, a signal or a crash)" in job.output, job.output
     assert re.search(r"cupycomm.errors.PeerLost: recv #\d+: the NCCL communicator was "
                      r"aborted", job.output), job.output
-    lost = re.findall(r"rank (\d+): PeerLost ranks=(.*) call=(\w+) seq=(\d+) "
+    lost = re.findall(r"rank (\d+): PeerLost ranks=(\([\d, ]*\)) call=(\w+) seq=(\d+) "
                       r"\(recv #(\d+), world rank (\d+) killed\)", job.output)
     assert lost, job.output
     for _, ranks, call, seq, expected_seq, killed in lost:   # every survivor that says
