@@ -6,7 +6,7 @@ handler; ``cupycomm.faults``). ``"raise"``: the collectives that the lost peer w
 raise :class:`~cupycomm.errors.PeerLost` on every survivor, which may then
 ``comm.shrink()`` and go on. That needs MPI's fault tolerance (ULFM), which only Open MPI 5
 started with ``mpiexec --with-ft ulfm`` gives: under MPICH, mpi4py's ``Shrink`` is a plain
-``Dup``, ``Get_failed`` is always empty and ``Revoke`` raises NotImplementedError (so the
+``Dup``, ``Get_failed`` is always empty and ``Revoke`` is refused as not implemented (so the
 methods' presence proves nothing); Open MPI without ``--with-ft ulfm`` accepts ``Revoke`` but
 ends the job on a failure. The mode is the process's: an ``init()`` that names one sets
 it, the communicators made from then on follow it.
