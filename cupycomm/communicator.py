@@ -54,7 +54,7 @@ from ._parts import JoinedShapes, PartShapes
 from ._validate import Checks
 from .faults.watchdog import Tracker, unwatch
 from .batch import Batch, block
-from .backends.mpi import PreparedCalls
+from .backends.mpi import OP_NAMES, PreparedCalls
 from .objects import Objects
 from .survivors.shrink import shrink as _shrink
 from .survivors.state import survival_for
@@ -68,6 +68,9 @@ Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment v
 
 Op = Union[ReduceOp, str]
 _SUM = "sum"
+# An op the prepared calls may take: one of OP_NAMES, compared only as a str or ReduceOp, so
+# that an unhashable op, or one whose == is not a bool, reaches the general path's error.
+_OP_TYPES = (str, ReduceOp)
 _HOST = np.ndarray   # arrays of exactly this type may take the prepared calls (see above)
 
 
@@ -198,13 +201,11 @@ class Communicator:
             comm.all_reduce(x, op="max")              # Rank 0: [3, 4]  Rank 1: [3, 4]
         """
         if (type(x) is _HOST and stream is None
+                and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
                      and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["all_reduce"][x.dtype][op]
-            except (KeyError, TypeError):
-                run = self._prepared.find("all_reduce", x.dtype, op, async_op)
+            run = (self._started if async_op else self._blocking).all_reduce[x.dtype][op]
             if run is not None:
                 return run(x, x if out is None else out)
         return self._general.all_reduce(x, op, out, async_op, stream)
@@ -222,13 +223,11 @@ class Communicator:
         """
         if (type(x) is _HOST and stream is None and type(root) is int
                 and 0 <= root < self.size
+                and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
                      and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["reduce"][x.dtype][op]
-            except (KeyError, TypeError):
-                run = self._prepared.find("reduce", x.dtype, op, async_op)
+            run = (self._started if async_op else self._blocking).reduce[x.dtype][op]
             if run is not None:
                 return run(x, (x if out is None else out) if root == self.rank else None, root)
         return self._general.reduce(x, root, op, out, async_op, stream)
@@ -244,10 +243,7 @@ class Communicator:
         """
         if (type(x) is _HOST and stream is None and type(root) is int
                 and 0 <= root < self.size and x.flags.carray):
-            try:
-                run = (self._started if async_op else self._blocking)["broadcast"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("broadcast", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).broadcast[x.dtype]
             if run is not None:
                 return run(x, root)
         return self._general.broadcast(x, root, async_op, stream)
@@ -267,10 +263,7 @@ class Communicator:
         if (type(x) is _HOST and stream is None and x.flags.c_contiguous
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape in self._joined[x.shape] and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["all_gather"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("all_gather", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).all_gather[x.dtype]
             if run is not None:
                 return run(x, np.empty(self._joined[x.shape][0], x.dtype) if out is None
                            else out)
@@ -288,15 +281,12 @@ class Communicator:
             x = numpy.array([1, 2, 3, 4]) * (comm.rank + 1)
             comm.reduce_scatter(x)   # Rank 0: array([3, 6])   Rank 1: array([9, 12])
         """
-        if (type(x) is _HOST and stream is None and x.flags.c_contiguous
-                and (part := self._part_shapes[x.shape]) is not None
+        if (type(x) is _HOST and stream is None
+                and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
+                and x.flags.c_contiguous and (part := self._part_shapes[x.shape]) is not None
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape == part and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["reduce_scatter"][
-                    x.dtype][op]
-            except (KeyError, TypeError):
-                run = self._prepared.find("reduce_scatter", x.dtype, op, async_op)
+            run = (self._started if async_op else self._blocking).reduce_scatter[x.dtype][op]
             if run is not None:
                 return run(x, np.empty(part, x.dtype) if out is None else out)
         return self._general.reduce_scatter(x, op, out, async_op, stream)
@@ -323,10 +313,7 @@ class Communicator:
                 and not x.shape[0] % self.size
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape == x.shape and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["all_to_all"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("all_to_all", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).all_to_all[x.dtype]
             if run is not None:
                 return run(x, np.empty(x.shape, x.dtype) if out is None else out)
         return self._general.all_to_all(x, out, in_splits, out_splits, async_op, stream)
@@ -350,10 +337,7 @@ class Communicator:
                 and (x is None and root != self.rank
                      or type(x) is _HOST and x.dtype is out.dtype
                      and x.shape in self._joined[out.shape] and x.flags.c_contiguous)):
-            try:
-                run = (self._started if async_op else self._blocking)["scatter"][out.dtype]
-            except KeyError:
-                run = self._prepared.find("scatter", out.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).scatter[out.dtype]
             if run is not None:
                 return run(x if root == self.rank else None, out, root)
         return self._general.scatter(x, root, out, async_op, stream)
@@ -374,10 +358,7 @@ class Communicator:
                 and 0 <= root < self.size and x.flags.c_contiguous
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape in self._joined[x.shape] and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["gather"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("gather", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).gather[x.dtype]
             if run is not None:
                 if root != self.rank:
                     out = None
@@ -414,10 +395,7 @@ class Communicator:
                 and type(src) is int and 0 <= dst < size and 0 <= src < size
                 and x.flags.c_contiguous and type(buf) is _HOST and buf.dtype is x.dtype
                 and buf.flags.carray):
-            try:
-                run = (self._started if async_op else self._blocking)["sendrecv"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("sendrecv", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).sendrecv[x.dtype]
             if run is not None:
                 return run(x, dst, buf, src)
         return self._general.sendrecv(x, dst, buf, src, async_op, stream)
