@@ -20,7 +20,7 @@ from ._dispatch import Router
 from ._dtypes import ReduceOp
 from ._general import GeneralPath
 from ._layouts import Layouts
-from ._parts import JoinedShapes, PartShapes
+from ._packing import JoinedShapes, PartShapes
 from ._validate import Checks
 from .faults.watchdog import Tracker, unwatch
 from .batch import Batch, block
