@@ -296,7 +296,7 @@ def _viewed(a: Any, view: Any) -> Any:
     return a if view is None or a is None else a.view(view)
 
 
-class PreparedByDtype(Dict[Any, Any]):
+class PreparedByDtype(dict):
     """One collective's prepared calls by dtype, blocking or started: a plain dict lookup on
     the hit path; the first lookup of a dtype makes its calls (``__missing__``) and keeps
     them, or keeps what says there is none (None; for a reduction, a dict whose every op
