@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 from ._dispatch import Router
 from ._layouts import Layouts
-from ._parts import JoinedShapes
+from ._packing import JoinedShapes
 from ._validate import Checks
 
 __all__ = ["GeneralPath"]

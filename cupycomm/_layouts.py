@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._dispatch import Router
-from ._parts import JoinedShapes
+from ._packing import JoinedShapes
 from ._validate import Checks
 
 __all__ = ["Layouts"]

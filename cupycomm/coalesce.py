@@ -25,7 +25,7 @@ import contextlib
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ._parts import views_of
+from ._packing import views_of
 from ._validate import kind_name
 from .work import Work, WorkGroup
 

@@ -1,40 +1,10 @@
 """Communicator: the collectives users call, on NumPy (MPI) and CuPy (NCCL) arrays.
 
-Semantics shared by every method (documented here once):
-
-- **Backend by array type.** NumPy arrays go through MPI, CuPy arrays through NCCL on the
-  communicator's device. All arrays of one call are of one kind. The NCCL communicator is
-  created the first time a collective gets a device array (every rank takes part), so
-  host-only programs never touch CUDA; ``init_device()`` creates it beforehand.
-- **Results are returned.** ``y = comm.all_reduce(x)`` reduces in place and returns ``x``;
-  with ``out=`` the result goes there and ``out`` is returned; collectives that make a new
-  shape allocate their result when ``out`` is None. ``reduce`` and ``gather`` return None
-  off the root.
-- **async_op=True** returns a :class:`~cupycomm.work.Work`; ``work.wait()`` gives the result.
-- **Streams (device).** A synchronous call runs on the caller's current stream, an
-  ``async_op`` one on the comm stream after an event of the caller's; the host never blocks;
-  ``stream=`` launches on that stream instead (the code: ``backends/nccl.py``).
-- **Validation.** Every argument is checked before any communication: array kind, dtype,
-  contiguity, device, ``out`` shape and dtype, root and peer ranks, op for the dtype. A bad
-  argument raises TypeError or ValueError naming the collective, the argument, the value and
-  the rank; the communicator stays usable. What cannot be seen locally (ranks passing
-  different counts) is caught by debug mode or by the timeout.
-- **Leading-axis layout.** Collectives that join or split per-rank parts (all_gather, gather,
-  scatter, reduce_scatter) accept the whole array either stacked, ``(size, *part.shape)``,
-  or concatenated along axis 0, ``(size * part.shape[0], *part.shape[1:])``.
-- **Zero-size and 0-d arrays** are valid wherever their shape is: a 0-d array reduces,
-  broadcasts and is gathered into shape ``(size,)``; it has no leading axis to split.
-
-How a call runs (for contributors; docs/internals.md has the whole story): the Communicator
-is a façade over its parts (``_comm_parts.Parts``; ``_validate``, ``_dispatch``,
-``_general``, ``_layouts``, ``objects``), with subgroups in ``_subgroups`` and the
-``batch()`` block in ``batch``. A call on NumPy arrays that passes the common-case test at
-the top of its method runs the host backend's prepared call (``backends.mpi.PreparedCalls``;
-its tables ``_blocking`` and ``_started``), looked up inline: a shared helper would cost
-every such call a frame. Anything else ends the method with ``self._general.<call>(...)``,
-the general path (``_general.GeneralPath``: ``Router.route``, the checks, the backend's
-methods), which makes every check and raises the errors; the fast path rejects exactly what
-it does (``tests/backends/test_prepared.py``).
+What every method shares (the backend by array type, results returned, ``async_op``,
+streams, the checks made before any communication, the leading-axis layouts, zero-size and
+0-d arrays) is written once in the guide, :doc:`/guide/collectives`; how a call runs (the
+common-case test at the top of a method and its prepared host call, else the general path,
+``self._general``) in :doc:`/internals`, "The call path".
 """
 from __future__ import annotations
 
@@ -50,11 +20,11 @@ from ._dispatch import Router
 from ._dtypes import ReduceOp
 from ._general import GeneralPath
 from ._layouts import Layouts
-from ._parts import JoinedShapes, PartShapes
+from ._packing import JoinedShapes, PartShapes
 from ._validate import Checks
 from .faults.watchdog import Tracker, unwatch
 from .batch import Batch, block
-from .backends.mpi import PreparedCalls
+from .backends.mpi import OP_NAMES, PreparedCalls
 from .objects import Objects
 from .survivors.shrink import shrink as _shrink
 from .survivors.state import survival_for
@@ -68,24 +38,21 @@ Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment v
 
 Op = Union[ReduceOp, str]
 _SUM = "sum"
-_HOST = np.ndarray   # arrays of exactly this type may take the prepared calls (see above)
+# An op the prepared calls may take: one of OP_NAMES, compared only as a str or ReduceOp, so
+# that an unhashable op, or one whose == is not a bool, reaches the general path's error.
+_OP_TYPES = (str, ReduceOp)
+_HOST = np.ndarray   # arrays of exactly this type may take the prepared calls
 
 
 class Communicator:
-    """A group of ranks that run collectives together; made by :func:`cupycomm.init`.
-
-    Attributes:
-        rank: this process's rank in the communicator.
-        size: the number of ranks.
-        local_rank: this process's rank among the ranks on its node.
+    """A group of ranks that run collectives together; made by :func:`cupycomm.init`. Its
+    ``rank``, its ``size``, and its ``local_rank`` (among the ranks on this node).
 
     Example (2 ranks)::
 
         comm = cupycomm.init()
         x = numpy.array([1.0, 2.0]) * (comm.rank + 1)
-        comm.all_reduce(x)
-        # Rank 0: array([3., 6.])
-        # Rank 1: array([3., 6.])
+        comm.all_reduce(x)   # Rank 0: array([3., 6.])   Rank 1: array([3., 6.])
     """
 
     @classmethod
@@ -143,11 +110,8 @@ class Communicator:
 
     @property
     def device(self) -> Any:
-        """This rank's CuPy device (``cupy.cuda.Device``), or None where there is no GPU.
-
-        Chosen by ``init(device=)``, else round-robin by local rank over the node's GPUs.
-        Reading it loads CuPy and CUDA; host-only programs need not.
-        """
+        """This rank's CuPy device (``cupy.cuda.Device``: ``init(device=)``, else round-robin
+        by local rank), or None where there is no GPU. Reading it loads CuPy and CUDA."""
         device_id = self._router.device_number()
         return None if device_id is None else self._router.cupy.cuda.Device(device_id)
 
@@ -162,21 +126,16 @@ class Communicator:
         return self._router.cupy
 
     def init_device(self) -> Any:
-        """Create the NCCL communicator now (collective: every rank must call it).
-
-        Otherwise the first collective on device arrays creates it. Device point-to-point
-        calls (send, recv, sendrecv) need it to exist, since only some ranks take part in
-        them. Returns the device backend.
-        """
+        """Create the NCCL communicator now, on every rank (else the first collective on
+        device arrays does; device send, recv and sendrecv need it first). Returns the device
+        backend. Example: ``comm.init_device()`` before a ring of ``comm.send(x, right)``."""
         self._checks.check_open("init_device")
         return self._router.init_device()
 
     def launch_graph(self, graph: Any, stream: Any = None) -> None:
-        """Replay a CUDA graph that captured this communicator's collectives, watched as an
-        uncaptured collective is: a replay that does not complete within the timeout (a
-        peer that never launches its graph) aborts the NCCL communicator, naming it. A plain
-        ``graph.launch()`` is not watched. ``stream``: where to launch (default: the current
-        stream)::
+        """Replay on ``stream`` (default: the current one) a CUDA graph that captured this
+        communicator's collectives, watched: one that does not complete within the timeout
+        aborts the NCCL communicator (a plain ``graph.launch()`` is not watched)::
 
             with stream:
                 stream.begin_capture()
@@ -198,22 +157,19 @@ class Communicator:
             comm.all_reduce(x, op="max")              # Rank 0: [3, 4]  Rank 1: [3, 4]
         """
         if (type(x) is _HOST and stream is None
+                and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
                      and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["all_reduce"][x.dtype][op]
-            except (KeyError, TypeError):
-                run = self._prepared.find("all_reduce", x.dtype, op, async_op)
+            run = (self._started if async_op else self._blocking).all_reduce[x.dtype][op]
             if run is not None:
                 return run(x, x if out is None else out)
         return self._general.all_reduce(x, op, out, async_op, stream)
 
     def reduce(self, x: Any, root: int = 0, *, op: Op = _SUM, out: Any = None,
                async_op: bool = False, stream: Any = None) -> Any:
-        """Reduce ``x`` over all ranks onto ``root`` (into ``x`` there, or ``out``).
-
-        Returns the result on the root and None elsewhere; ``out`` is only read on the root.
+        """Reduce ``x`` over all ranks onto ``root`` (into ``x`` there, or ``out``); None
+        elsewhere, where ``out`` is not read.
 
         Example (2 ranks)::
 
@@ -222,13 +178,11 @@ class Communicator:
         """
         if (type(x) is _HOST and stream is None and type(root) is int
                 and 0 <= root < self.size
+                and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
                      and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["reduce"][x.dtype][op]
-            except (KeyError, TypeError):
-                run = self._prepared.find("reduce", x.dtype, op, async_op)
+            run = (self._started if async_op else self._blocking).reduce[x.dtype][op]
             if run is not None:
                 return run(x, (x if out is None else out) if root == self.rank else None, root)
         return self._general.reduce(x, root, op, out, async_op, stream)
@@ -244,20 +198,15 @@ class Communicator:
         """
         if (type(x) is _HOST and stream is None and type(root) is int
                 and 0 <= root < self.size and x.flags.carray):
-            try:
-                run = (self._started if async_op else self._blocking)["broadcast"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("broadcast", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).broadcast[x.dtype]
             if run is not None:
                 return run(x, root)
         return self._general.broadcast(x, root, async_op, stream)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
                    stream: Any = None) -> Any:
-        """Gather ``x`` of every rank on every rank, rank ``j``'s part at index ``j``.
-
-        ``out`` is None (a new array of shape ``(size, *x.shape)``), an array of either
-        leading-axis layout, or a list of ``size`` arrays shaped like ``x``.
+        """Gather ``x`` of every rank on every rank, rank ``j``'s part at index ``j``: into
+        ``out``, an array of either layout or a list of ``size`` arrays, or a new array.
 
         Example (2 ranks)::
 
@@ -267,10 +216,7 @@ class Communicator:
         if (type(x) is _HOST and stream is None and x.flags.c_contiguous
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape in self._joined[x.shape] and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["all_gather"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("all_gather", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).all_gather[x.dtype]
             if run is not None:
                 return run(x, np.empty(self._joined[x.shape][0], x.dtype) if out is None
                            else out)
@@ -278,25 +224,20 @@ class Communicator:
 
     def reduce_scatter(self, x: Any, *, op: Op = _SUM, out: Any = None,
                        async_op: bool = False, stream: Any = None) -> Any:
-        """Reduce over all ranks and give rank ``j`` part ``j`` of the result.
-
-        ``x`` is an array whose leading axis splits into ``size`` equal parts, or a list
-        of ``size`` arrays of one shape (part ``j`` is the list's array ``j``).
+        """Reduce over all ranks and give rank ``j`` part ``j`` of the result: ``x`` splits
+        into ``size`` parts along its leading axis, or is a list of ``size`` arrays.
 
         Example (2 ranks)::
 
             x = numpy.array([1, 2, 3, 4]) * (comm.rank + 1)
             comm.reduce_scatter(x)   # Rank 0: array([3, 6])   Rank 1: array([9, 12])
         """
-        if (type(x) is _HOST and stream is None and x.flags.c_contiguous
-                and (part := self._part_shapes[x.shape]) is not None
+        if (type(x) is _HOST and stream is None
+                and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
+                and x.flags.c_contiguous and (part := self._part_shapes[x.shape]) is not None
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape == part and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["reduce_scatter"][
-                    x.dtype][op]
-            except (KeyError, TypeError):
-                run = self._prepared.find("reduce_scatter", x.dtype, op, async_op)
+            run = (self._started if async_op else self._blocking).reduce_scatter[x.dtype][op]
             if run is not None:
                 return run(x, np.empty(part, x.dtype) if out is None else out)
         return self._general.reduce_scatter(x, op, out, async_op, stream)
@@ -305,11 +246,8 @@ class Communicator:
                    out_splits: Optional[Sequence[int]] = None, async_op: bool = False,
                    stream: Any = None) -> Any:
         """Send part ``j`` of ``x``'s leading axis to rank ``j``; part ``i`` of the result
-        comes from rank ``i``.
-
-        Parts are equal (the result has ``x``'s shape) unless ``in_splits`` says how many rows
-        go to each rank and ``out_splits`` how many come from each (zeros allowed); without
-        ``out_splits`` the ranks first exchange their ``in_splits`` to learn it.
+        comes from rank ``i``. Parts are equal unless ``in_splits`` gives the rows sent to each
+        rank (and ``out_splits`` those received: else the ranks exchange ``in_splits``).
 
         Example (2 ranks)::
 
@@ -323,21 +261,15 @@ class Communicator:
                 and not x.shape[0] % self.size
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape == x.shape and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["all_to_all"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("all_to_all", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).all_to_all[x.dtype]
             if run is not None:
                 return run(x, np.empty(x.shape, x.dtype) if out is None else out)
         return self._general.all_to_all(x, out, in_splits, out_splits, async_op, stream)
 
     def scatter(self, x: Any, root: int = 0, *, out: Any, async_op: bool = False,
                 stream: Any = None) -> Any:
-        """Give rank ``j`` part ``j`` of root's ``x`` (leading axis); returns ``out``.
-
-        ``x`` is only read on the root (pass None elsewhere, or an array of its shape and
-        dtype: where given it is checked, so that a bad ``x`` fails on every rank alike);
-        ``out``, the part, is required on every rank.
+        """Give rank ``j`` part ``j`` of root's ``x`` (leading axis) in ``out``, required on
+        every rank; ``x`` is read on the root only (None elsewhere, or checked where given).
 
         Example (2 ranks)::
 
@@ -350,20 +282,15 @@ class Communicator:
                 and (x is None and root != self.rank
                      or type(x) is _HOST and x.dtype is out.dtype
                      and x.shape in self._joined[out.shape] and x.flags.c_contiguous)):
-            try:
-                run = (self._started if async_op else self._blocking)["scatter"][out.dtype]
-            except KeyError:
-                run = self._prepared.find("scatter", out.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).scatter[out.dtype]
             if run is not None:
                 return run(x if root == self.rank else None, out, root)
         return self._general.scatter(x, root, out, async_op, stream)
 
     def gather(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
                stream: Any = None) -> Any:
-        """Gather ``x`` of every rank on ``root``, rank ``j``'s part at index ``j``.
-
-        Returns an array of shape ``(size, *x.shape)`` (or ``out``) on the root, None
-        elsewhere; ``out`` is only read on the root.
+        """Gather ``x`` of every rank on ``root``, rank ``j``'s part at index ``j``: a new
+        array ``(size, *x.shape)`` or ``out`` there; None elsewhere, where ``out`` is not read.
 
         Example (2 ranks)::
 
@@ -374,10 +301,7 @@ class Communicator:
                 and 0 <= root < self.size and x.flags.c_contiguous
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape in self._joined[x.shape] and out.flags.carray)):
-            try:
-                run = (self._started if async_op else self._blocking)["gather"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("gather", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).gather[x.dtype]
             if run is not None:
                 if root != self.rank:
                     out = None
@@ -388,20 +312,19 @@ class Communicator:
 
     # -- point to point ---------------------------------------------------------------------------
     def send(self, x: Any, dst: int, *, async_op: bool = False, stream: Any = None) -> Any:
-        """Send ``x`` to rank ``dst``, which receives it with ``recv``. Returns None (or a
-        Work). Messages between two ranks arrive in the order they were sent."""
+        """Send ``x`` to rank ``dst``, which receives it with ``recv``, in the order sent;
+        None (or a Work). Example: ``comm.send(x, 1)`` on 0, ``comm.recv(x, 0)`` on 1."""
         return self._general.send(x, dst, async_op, stream)
 
     def recv(self, buf: Any, src: int, *, async_op: bool = False, stream: Any = None) -> Any:
-        """Receive into ``buf`` what rank ``src`` sent; returns ``buf``. Its size must match
-        the sent array's."""
+        """Receive into ``buf`` (of the sent array's size) what rank ``src`` sent; returns
+        ``buf``. Example: ``comm.recv(numpy.empty(3), src=0)``."""
         return self._general.recv(buf, src, async_op, stream)
 
     def sendrecv(self, x: Any, dst: int, buf: Any, src: int, *, async_op: bool = False,
                  stream: Any = None) -> Any:
         """Send ``x`` to ``dst`` and receive into ``buf`` from ``src`` at once, without the
-        deadlock two blocking calls could make (a ring shift, a halo exchange); returns
-        ``buf``.
+        deadlock two blocking calls could make (a ring shift, a halo); returns ``buf``.
 
         Example (2 ranks)::
 
@@ -414,10 +337,7 @@ class Communicator:
                 and type(src) is int and 0 <= dst < size and 0 <= src < size
                 and x.flags.c_contiguous and type(buf) is _HOST and buf.dtype is x.dtype
                 and buf.flags.carray):
-            try:
-                run = (self._started if async_op else self._blocking)["sendrecv"][x.dtype]
-            except KeyError:
-                run = self._prepared.find("sendrecv", x.dtype, None, async_op)
+            run = (self._started if async_op else self._blocking).sendrecv[x.dtype]
             if run is not None:
                 return run(x, dst, buf, src)
         return self._general.sendrecv(x, dst, buf, src, async_op, stream)
@@ -431,13 +351,9 @@ class Communicator:
         return self.recv(buf, src, async_op=True, stream=stream)
 
     def batch(self) -> ContextManager[Batch]:
-        """Issue the calls inside the block together; they complete when it ends.
-
-        Each call is checked as it is made and queued. At the end of the block, on the host
-        the calls start as nonblocking MPI requests and the block waits for all; on the
-        device they form one NCCL group and the caller's stream waits for it. So sends and
-        receives to both neighbours, in any order, cannot deadlock; a block that raises
-        issues nothing. Every call inside returns a Work. See :mod:`cupycomm.batch`.
+        """Issue the calls inside the block together when it ends (one set of MPI requests,
+        or one NCCL group), so that sends and receives in any order cannot deadlock. Each
+        call is checked as it is made and returns a Work; a block that raises issues nothing.
 
         Example (3 ranks)::
 
@@ -451,8 +367,8 @@ class Communicator:
         return block(self._checks, self._router, self._prepared)
 
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
-        """Wait until every rank has called barrier (host processes, not CUDA streams: finish
-        device work first with ``work.synchronize()`` or a stream synchronize if needed)."""
+        """Wait until every rank has called barrier (processes, not CUDA streams: synchronize
+        device work first if needed). Example: ``comm.barrier()``."""
         self._checks.check_open("barrier")
         return self._router.host.barrier(async_op)
 
@@ -460,9 +376,8 @@ class Communicator:
     def all_reduce_coalesced(self, arrays: Sequence[Any], *, op: Op = _SUM,
                              bucket_bytes: Optional[int] = None,
                              async_op: bool = False) -> Union[List[Any], Work]:
-        """All-reduce many arrays in few calls: grouped by dtype, packed into buffers of at
-        most ``bucket_bytes`` (default 25 MiB), results written back in place. Returns the
-        arrays (or a Work whose ``wait()`` writes them back and returns them).
+        """All-reduce many arrays in few calls (grouped by dtype, packed into buffers of at
+        most ``bucket_bytes``, default 25 MiB); returns them, reduced in place (or a Work).
 
         Example (2 ranks)::
 
@@ -508,11 +423,8 @@ class Communicator:
     # -- subgroups --------------------------------------------------------------------------------
     def split(self, color: Optional[int], key: Optional[int] = None) -> Optional["Communicator"]:
         """A communicator of the ranks that pass the same ``color``, ordered by ``key``
-        (default: their rank here); None where ``color`` is None. Collective.
-
-        The subgroup is a full communicator: every collective, on host and device arrays.
-        Its NCCL communicator comes from ``ncclCommSplit`` now if this communicator has one
-        and NCCL is 2.18 or newer, else from a new unique id on its first device use.
+        (default: their rank here); None where ``color`` is None. Collective. Its NCCL
+        communicator comes from ``ncclCommSplit`` where this one has one (NCCL 2.18+).
 
         Example (4 ranks)::
 
@@ -522,8 +434,8 @@ class Communicator:
         return _subgroups.split(self, color, key)
 
     def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
-        """A communicator of ``ranks`` (ordered by rank), None on the other ranks. Collective:
-        every rank calls it with the same list, as torch.distributed.new_group.
+        """A communicator of ``ranks`` (ordered by rank), None on the others; collective, with
+        the same list on every rank (torch.distributed.new_group).
 
         Example (3 ranks)::
 

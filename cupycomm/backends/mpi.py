@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 from functools import partial
+from types import MappingProxyType
 from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -16,12 +17,12 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from .._dtypes import DTYPES, ReduceOp
-from .._parts import offsets
+from .._packing import offsets
 from ..survivors.lost import peer_lost
 from ..work import HostWork
 from . import HostBackend, Marks
 
-__all__ = ["MPIBackend", "PreparedCalls", "PREPARED"]
+__all__ = ["MPIBackend", "PreparedCalls", "PREPARED", "OP_NAMES"]
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
@@ -278,6 +279,10 @@ _CALLS: Dict[str, Tuple[Callable[..., Callable], str, str]] = {
 }
 PREPARED = ("all_reduce", "reduce_scatter", "reduce", "gather", "scatter", "all_gather",
             "all_to_all", "broadcast", "sendrecv")
+_REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+OP_NAMES = tuple(op.value for op in ReduceOp)
+"""The op strings, ``"sum"`` first: a reduction's prepared calls have one key for each."""
+_NO_CALLS = MappingProxyType(dict.fromkeys(OP_NAMES))
 
 
 def _queue(start: Callable, *args: Any) -> tuple:
@@ -291,52 +296,82 @@ def _viewed(a: Any, view: Any) -> Any:
     return a if view is None or a is None else a.view(view)
 
 
+class PreparedByDtype(dict):
+    """One collective's prepared calls by dtype, blocking or started: a plain dict lookup on
+    the hit path; the first lookup of a dtype makes its calls (``__missing__``) and keeps
+    them, or keeps what says there is none (None; for a reduction, a dict whose every op
+    string in OP_NAMES maps to None), so that every lookup finds an answer in one subscript.
+    While the prepared calls are disabled, a lookup answers "none" and keeps nothing."""
+
+    __slots__ = ("_prepared", "_name", "_reduces", "_async_op")
+
+    def __init__(self, prepared: "PreparedCalls", name: str, async_op: bool) -> None:
+        super().__init__()
+        self._prepared = prepared
+        self._name = name
+        self._reduces = name in _REDUCING
+        self._async_op = async_op
+
+    def __missing__(self, dtype: Any) -> Any:
+        prepared = self._prepared
+        if not prepared.enabled:
+            return _NO_CALLS if self._reduces else None
+        made = self[dtype] = prepared.backend.prepare(self._name, dtype, self._reduces,
+                                                      self._async_op)
+        return made
+
+
+class PreparedTables:
+    """The prepared calls of each collective in PREPARED, blocking or started, as one
+    attribute each (a :class:`PreparedByDtype`)."""
+
+    __slots__ = PREPARED
+    all_reduce: PreparedByDtype
+    reduce_scatter: PreparedByDtype
+    reduce: PreparedByDtype
+    gather: PreparedByDtype
+    scatter: PreparedByDtype
+    all_gather: PreparedByDtype
+    all_to_all: PreparedByDtype
+    broadcast: PreparedByDtype
+    sendrecv: PreparedByDtype
+
+    def __init__(self, prepared: "PreparedCalls", async_op: bool) -> None:
+        for name in PREPARED:
+            setattr(self, name, PreparedByDtype(prepared, name, async_op))
+
+    def clear(self) -> None:
+        for name in PREPARED:
+            getattr(self, name).clear()
+
+
 class PreparedCalls:
-    """The backend's prepared calls, made on first use and then only looked up:
-    ``blocking`` (and ``started``, for async_op) maps collective -> dtype -> the call, or for
-    a reduction -> dtype -> op -> the call; a dtype or op without one is None or absent.
-    ``find`` answers a lookup that missed. Disabled (a ``batch()`` block is open, or the
-    communicator closed), the tables are empty and ``find`` answers None, so that every call
-    takes the general path.
+    """The backend's prepared calls, made on first use and then only looked up, in one
+    subscript chain: ``blocking`` (and ``started``, for async_op) ``.<collective>[dtype]``
+    gives the call, or None; for a reduction, a dict of every op string (OP_NAMES) to the
+    call or None. Disabled (a ``batch()`` block is open, or the communicator closed), the
+    tables are empty and every lookup answers None, so that every call takes the general
+    path.
 
     Example::
 
         prepared = PreparedCalls(backend)
-        run = prepared.find("all_reduce", numpy.dtype("float32"), "sum")
+        run = prepared.blocking.all_reduce[numpy.dtype("float32")]["sum"]
         run(x, x)   # Allreduce(IN_PLACE, [x, MPI.FLOAT], MPI.SUM), watched
-        prepared.blocking["all_reduce"][numpy.dtype("float32")]["sum"] is run   # True
     """
 
-    __slots__ = ("blocking", "started", "enabled", "_backend")
+    __slots__ = ("blocking", "started", "enabled", "backend")
 
     def __init__(self, backend: "MPIBackend") -> None:
-        self._backend = backend
-        self.blocking: Dict[str, dict] = {name: {} for name in PREPARED}
-        self.started: Dict[str, dict] = {name: {} for name in PREPARED}
+        self.backend = backend
+        self.blocking = PreparedTables(self, False)
+        self.started = PreparedTables(self, True)
         self.enabled = True
-
-    def find(self, name: str, dtype: Any, op: Any = None,
-             async_op: bool = False) -> Optional[Callable]:
-        """The prepared call that a lookup in ``blocking`` or ``started`` missed (making the
-        dtype's calls if it has none yet), or None where the general path must run."""
-        if not self.enabled:
-            return None
-        by_dtype = (self.started if async_op else self.blocking)[name]
-        if dtype not in by_dtype:
-            by_dtype[dtype] = self._backend.prepare(name, dtype, op is not None, async_op)
-        calls = by_dtype[dtype]
-        if op is None:
-            return calls
-        try:
-            return calls.get(op)
-        except TypeError:   # an unhashable op: the general path says what is wrong
-            return None
 
     def disable(self) -> None:
         self.enabled = False
-        for tables in (self.blocking, self.started):
-            for by_dtype in tables.values():
-                by_dtype.clear()
+        self.blocking.clear()
+        self.started.clear()
 
     def enable(self) -> None:
         self.enabled = True
@@ -463,7 +498,7 @@ class MPIBackend(HostBackend):
             return self._call(name, async_op)
         # Every op's string (a ReduceOp member, a str, finds it as fast), None where it has
         # no call, so that a lookup misses only on a value that is not an op.
-        calls: Dict[str, Optional[Callable]] = dict.fromkeys(op.value for op in ReduceOp)
+        calls: Dict[str, Optional[Callable]] = dict.fromkeys(OP_NAMES)
         for op, (datatype, mpi_op, avg, view) in self.reductions.get(dtype, {}).items():
             if not avg and view is None:
                 calls[op.value] = self._call(name, async_op, datatype, mpi_op)

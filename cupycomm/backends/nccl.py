@@ -66,7 +66,7 @@ from typing import Any, Iterator, Optional, Tuple
 
 from .._bootstrap import broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
-from .._parts import offsets
+from .._packing import offsets
 from ..errors import CollectiveTimeout, NcclError, PeerLost
 from ..work import DeviceWork
 

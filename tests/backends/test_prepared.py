@@ -9,10 +9,12 @@ import pytest
 
 import cupycomm
 from cupycomm._dtypes import DTYPES
+from cupycomm.backends.mpi import PREPARED
 from arrays import HOST, all_inputs, rank_input
 from test_validation import CASES, READ_ONLY_CASES
 
 F8 = np.float64
+REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 
 
 def _refuse(*args):
@@ -93,13 +95,33 @@ def test_the_common_case_takes_the_prepared_call(host, name, async_op, monkeypat
 def test_a_reduce_op_member_takes_the_same_prepared_call_as_its_string(host, monkeypatch):
     x = rank_input(host.rank, (3,), F8)
     host.all_reduce(x.copy(), op="max")
-    calls = host._prepared.blocking["all_reduce"][x.dtype]
+    calls = host._prepared.blocking.all_reduce[x.dtype]
     made, ran = calls["max"], []
     calls["max"] = lambda *args: ran.append(args) or made(*args)
-    monkeypatch.setattr(type(host._prepared), "find", _refuse)   # the lookup must not miss
+    monkeypatch.setattr(host.parts.router.host, "prepare", _refuse)   # the lookup must not miss
     got = host.all_reduce(x.copy(), op=cupycomm.ReduceOp.MAX)
     assert len(ran) == 1
     np.testing.assert_array_equal(got, all_inputs(host.size, (3,), F8).max(0))
+
+
+class Elementwise:
+    """An op whose == answers with an array, as a NumPy array's does: it must reach the
+    general path's error, not fail in the fast path's test of the op."""
+
+    def __eq__(self, other):
+        return np.array([True, False])
+
+    __hash__ = None
+
+
+@pytest.mark.parametrize("op", [["sum"], Elementwise(), "mean", "SUM", 1],
+                         ids=["list", "elementwise-eq", "unknown", "name-not-value", "int"])
+@pytest.mark.parametrize("name", REDUCTIONS)
+def test_a_bad_op_gets_the_general_paths_error_on_every_reduction(host, name, op):
+    arm_tripwires(host)
+    x = rank_input(host.rank, (2 * host.size,), F8)
+    with pytest.raises(ValueError, match=f"{name}: op must be one of 'sum', 'prod'"):
+        getattr(host, name)(x, op=op)
 
 
 def test_the_completed_started_calls_are_let_go(host):
@@ -114,18 +136,21 @@ def test_the_completed_started_calls_are_let_go(host):
     last.wait()
 
 
-def test_batch_and_close_take_the_general_path(host):
+def test_batch_and_close_take_the_general_path(host, monkeypatch):
+    """Inside a batch() block every call is queued by the general path; after it the prepared
+    calls come back (the lookups made inside kept no "none"); after close, the general path
+    says the communicator is closed."""
+    host.all_reduce(np.ones(2))   # the float64 calls made before the block
     with host.batch():
         work = host.all_reduce(np.ones(2))
         assert isinstance(work, cupycomm.Work)
     np.testing.assert_array_equal(work.wait(), np.full(2, float(host.size)))
-    np.testing.assert_array_equal(host.all_reduce(np.ones(2)), np.full(2, float(host.size)))
+    with monkeypatch.context() as patched:
+        patched.setattr(host.parts.router.host, "all_reduce", _refuse)
+        np.testing.assert_array_equal(host.all_reduce(np.ones(2)), np.full(2, float(host.size)))
     host.close()
     with pytest.raises(cupycomm.CommClosedError):
         host.all_reduce(np.ones(2))
-
-
-REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 
 
 def arm_tripwires(comm):
@@ -133,14 +158,15 @@ def arm_tripwires(comm):
     dtype and op that has one) made ready, as a call that fails the test if it runs."""
     prepared = comm._prepared
     for async_op, tables in ((False, prepared.blocking), (True, prepared.started)):
-        for name, by_dtype in tables.items():
+        for name in PREPARED:
+            by_dtype = getattr(tables, name)
             for dtype in DTYPES:
                 made = comm.parts.router.host.prepare(name, dtype, name in REDUCTIONS, async_op)
                 if isinstance(made, dict):
                     by_dtype[dtype] = {op: run and _refuse for op, run in made.items()}
                 else:
                     by_dtype[dtype] = made and _refuse
-    assert any(by_dtype for by_dtype in prepared.started.values())
+    assert any(getattr(prepared.started, name) for name in PREPARED)
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])

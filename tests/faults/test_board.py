@@ -1,7 +1,7 @@
 """The node board (cupycomm/faults/board.py): each node's shared-memory board holds the ranks
 of that node and no other (test_nodes.py runs this on two simulated nodes too). The
 watchdog's reading of the board is tests/faults/test_watchdog.py's; its files' privacy,
-tests/faults/test_private.py's.
+tests/test_private.py's.
 """
 import cupycomm
 from cupycomm.faults.board import RANK
