@@ -15,6 +15,9 @@ The BYE/ACK pair is what makes closing clean: once a leader has every other lead
 nothing more is in flight to or from it, so no message outlives the communicator (MPI may
 reuse its context) or reaches a finalized process. A leader that sends nothing for longer
 than the bound (``CUPYCOMM_HEARTBEAT_TIMEOUT``, 5 s by default) has its node taken as dead.
+In ``on_peer_loss="raise"`` mode (MPI's ULFM) a leader that dies makes the leaders' calls
+to it fail at once: it is relayed as a dead rank (the survivors' device work is aborted for
+PeerLost naming it) and no longer talked to.
 
 What the leader learns goes on its row of the node board (:meth:`NodeBoard.relay`): the one
 remote departure that matters most (a death or a silent node before any clean leave; among
@@ -41,6 +44,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _bootstrap, _env
+from ..survivors import policy
+from ..survivors.lost import FAILURES, failed_in
 from . import board as _board
 from .board import LEFT, NodeBoard, PID, RANK, SEQ, BUSY, BUSY_SEQ
 
@@ -158,6 +163,8 @@ class Heartbeats:
                                    and now - self._heard[j] > self.bound)
             self._relay(now)
         except MPI.Exception as error:   # the watchdog must go on; the heartbeats cannot
+            if self._lost_leaders(error, now):
+                return
             self._broken = True
             sys.stderr.write(f"cupycomm heartbeat: stopped on {_bootstrap.describe_rank()} "
                              f"after an MPI error: {error}\n")
@@ -192,6 +199,27 @@ class Heartbeats:
         finally:
             self._comm.Free()
             self._comm = None
+
+    def _lost_leaders(self, error: MPI.Exception, now: float) -> bool:
+        """Where ``error`` says leaders died (ULFM, in "raise" mode): relay each as a dead
+        rank of its node and talk to it no more (no one relays the other ranks of its node
+        then); return whether that was it."""
+        if not policy.raising() or error.Get_error_class() not in FAILURES:
+            return False
+        failed = [j for j in failed_in(cast(MPI.Comm, self._comm)) if j in self._receiving]
+        if not failed:
+            return False
+        for j in failed:
+            del self._receiving[j]
+            self._said_bye[j] = self._acked[j] = True   # no beat, no wait for its ACK
+            leader = self.ranks[j][0]
+            known = self._rows.get(leader)
+            row = np.zeros(_WIDTH, np.int64) if known is None else known[0].copy()
+            row[0], row[_STATE] = leader, DIED
+            self._rows[leader] = (row, now)
+        self._sending = [sent for sent in self._sending if sent[0] not in failed]
+        self._relay(now)
+        return True
 
     def _receive(self, now: float) -> None:
         for j, receiving in self._receiving.items():

@@ -33,7 +33,11 @@ ten times a second and:
   node has died (or, as the heartbeats say, one on another node) while such work is
   pending, at once, and later device calls (and the pending Work's
   ``wait``/``synchronize``) raise :class:`~cupycomm.errors.PeerLost` naming the dead ranks
-  in the world's numbering (the tracker's ``world_ranks``), as the host path does;
+  in the world's numbering (the tracker's ``world_ranks``), as the host path does. In
+  "raise" mode an asynchronous error of NCCL is matched with a lost peer first: NCCL's
+  proxy sees a dead peer's connection close (stand-in rule 22) before the heartbeats can
+  relay a loss on another node (up to their bound), so the abort waits that long for the
+  board or the heartbeats to name the lost ranks (PeerLost), and only then says NcclError;
 - while a call is blocked or device work is pending, and only then, re-arms a C-level timer
   (``faulthandler.dump_traceback_later``): if this thread cannot look for the timeout plus a
   margin (the timeout again, at least 10 s and at most 30 s, so that a loaded machine delaying
@@ -105,7 +109,7 @@ class Tracker:
     """
 
     __slots__ = ("seq", "busy", "name", "rank", "size", "timeout", "board", "beats", "device",
-                 "flight", "world_ranks", "_waiting", "__weakref__")
+                 "flight", "world_ranks", "_waiting", "_error_since", "__weakref__")
 
     def __init__(self, name: str, rank: int, size: int, timeout: float,
                  board: Optional[NodeBoard] = None, beats: Optional[Heartbeats] = None,
@@ -123,6 +127,7 @@ class Tracker:
         # each rank's in the world: a lost peer is named so (by default the world's own)
         self.world_ranks = tuple(range(size)) if world_ranks is None else world_ranks
         self._waiting: Optional[tuple] = None   # ((seq, busy) or "device", since when)
+        self._error_since: Optional[float] = None   # NCCL's async error, unexplained since
 
     # -- called by the backends on the main thread ------------------------------------------------
     @contextlib.contextmanager
@@ -211,8 +216,32 @@ class Tracker:
         if device is not None:
             error = device.async_error()
             if error:
-                self._abort_device(device, f"NCCL reported an asynchronous error: {error}")
+                self._device_error(device, error, seq, now)
         return waiting
+
+    def _device_error(self, device: Health, error: str, seq: int, now: float) -> None:
+        """NCCL reported ``error`` asynchronously: abort the device communicator; in "raise"
+        mode, for the peer the board or the heartbeats say is gone (PeerLost), waiting up to
+        :meth:`_loss_bound` for them to say it (see the module)."""
+        reason = f"NCCL reported an asynchronous error: {error}"
+        if policy.raising():
+            dead, ranks = self._gone_peer("", seq, now, left_counts=False)
+            if dead:
+                self._abort_device(device, f"{dead}; {reason}",
+                                   tuple(sorted(self.world_ranks[r] for r in ranks)))
+                return
+            if self._error_since is None:
+                self._error_since = now
+            if now - self._error_since <= self._loss_bound():
+                return
+        self._abort_device(device, reason)
+
+    def _loss_bound(self) -> float:
+        """Seconds within which a lost peer is named here: the heartbeats' bound (a silent
+        node), with a beat to relay it; the grace on one node (the board sees a death at
+        once)."""
+        beats = self.beats
+        return GRACE if beats is None else beats.bound + beats.interval + GRACE
 
     def _gone_peer(self, name: str, at: int, now: float,
                    left_counts: bool = True) -> Tuple[str, Tuple[int, ...]]:
@@ -252,6 +281,7 @@ class Tracker:
                       lost: Optional[Tuple[int, ...]] = None) -> None:
         """Abort the device communicator for ``reason``; ``lost``: the world ranks whose
         death it is (later device calls raise PeerLost naming them)."""
+        self._error_since = None
         if device.abort(reason, lost):
             sys.stderr.write(f"cupycomm watchdog: {reason} on {describe_rank()}; the NCCL "
                              f"communicator was aborted: later device calls raise "

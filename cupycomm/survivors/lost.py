@@ -19,14 +19,14 @@ Example (what a host call does)::
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, List
 
 from mpi4py import MPI
 
 if TYPE_CHECKING:
     from .state import Survival
 
-__all__ = ["peer_lost", "enlist", "attach", "FAILURES"]
+__all__ = ["peer_lost", "enlist", "attach", "failed_in", "FAILURES"]
 
 #: The error classes of ULFM that say a peer is lost (the call saw it fail; a nonblocking
 #: receive from any source cannot know; another survivor revoked the communicator).
@@ -50,6 +50,17 @@ def attach(tracker: Any, mpi_comm: MPI.Comm) -> None:
     survival = _BY_TRACKER.get(tracker)
     if survival is not None:
         survival.attach(mpi_comm)
+
+
+def failed_in(mpi_comm: MPI.Comm) -> List[int]:
+    """The ranks of ``mpi_comm`` (in its numbering) that its MPI knows have failed (ULFM's
+    ``MPI_Comm_get_failed``; a local query)."""
+    group, mine = mpi_comm.Get_failed(), mpi_comm.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), mine))
+    finally:
+        group.Free()
+        mine.Free()
 
 
 def peer_lost(error: BaseException, tracker: Any, label: str, seq: int) -> None:

@@ -24,7 +24,7 @@ from mpi4py import MPI
 from .._bootstrap import world
 from ..errors import PeerLost
 from . import policy
-from .lost import FAILURES, enlist
+from .lost import FAILURES, enlist, failed_in
 
 __all__ = ["Survival", "survival_for", "world_ranks"]
 
@@ -93,12 +93,7 @@ class Survival:
     def failed_ranks(self) -> List[int]:
         """The world ranks known here to be lost: those every survivor agreed on at the
         first loss, and any this rank's MPI has noticed since."""
-        group, mine = self._mpi.Get_failed(), self._mpi.Get_group()
-        try:
-            noticed = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), mine)
-        finally:
-            group.Free()
-            mine.Free()
+        noticed = failed_in(self._mpi)
         return sorted(set(self.lost or ()) | {self.world_ranks[r] for r in noticed})
 
     def agree(self, flag: bool) -> bool:

@@ -104,6 +104,20 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     it [pytorch#194679; NCCL's user guide, "Fault Tolerance" and ncclCommShrink: with
     NCCL_SHRINK_ABORT the parent communicator is to be aborted]. ``freed_by`` says which call
     ended a communicator.
+22. A collective or transfer whose member died does not fail: its kernel waits for the
+    data that never comes, the communicator reports ncclRemoteError (6) through
+    ``check_async_error`` (ncclCommGetAsyncError), and only ``abort`` ends the kernel,
+    which leaves its output undefined; the host never blocks in a launch or an event
+    wait (work queues behind the waiting kernel), only in a synchronization; later calls
+    of that communicator wait too; an abort under MPI's ULFM breaks its connections, so
+    that the other members' kernels stop waiting for it [NCCL's user guide, "Error handling
+    and communicator abort": NCCL kernels are blocking, an error is reported through
+    ncclCommGetAsyncError and ncclCommAbort ends the operations in flight, whose results
+    cannot be assumed; ncclResult_t ncclRemoteError: "a remote process exiting prematurely";
+    seen on an H200, benchmarks/results/gpu_h200_2026-11-27_survivors_run*.log: a kernel
+    that a killed peer left waiting until the abort, another that returned zeros, NCCL's
+    "socketProgress: Connection closed by remote peer"]. Under ULFM (``LOSSES``: MPI's
+    errors that say a member is gone) the stand-in's MPI error never reaches the caller.
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -121,6 +135,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import types
 import weakref
 from typing import Any, Callable, List, Optional
@@ -128,6 +143,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 from mpi4py import MPI
 
+from ..survivors.lost import FAILURES
 from ..survivors.policy import unsupported
 
 DEVICE_COUNT = 1
@@ -376,12 +392,36 @@ class CUDARuntimeError(RuntimeError):
     """cupy_backends' CUDARuntimeError: a CUDA runtime call failed."""
 
 
+class _Stalled(Exception):
+    """Work met a kernel that waits for a dead member while the host may not block (rule 22):
+    it stays queued."""
+
+
+_stalls = threading.local()   # depth: inside how many asynchronous calls this thread is
+
+
+@contextlib.contextmanager
+def _asynchronous():
+    """An asynchronous call (a launch, an event wait, a query): work that would wait for a
+    kernel that waits for a dead member stays queued (rule 22), the call returns."""
+    depth = getattr(_stalls, "depth", 0)
+    _stalls.depth = depth + 1
+    try:
+        yield
+    except _Stalled:
+        pass
+    finally:
+        _stalls.depth = depth
+
+
 class Stream:
     """cupy.cuda.Stream: an in-order queue of work; ``deferred=True`` holds work back.
 
     A stream that is not deferred runs each piece of work when it is enqueued, except that
     point-to-point transfers only start then (MPI requests) and complete when the stream
-    must get past them: before its next piece of work, or when someone waits for it.
+    must get past them: before its next piece of work, or when someone waits for it. Work
+    behind a kernel that waits for a dead member (rule 22) stays queued at its enqueue (a
+    launch never blocks the host) and runs when a synchronization gets past that kernel.
     """
 
     _registry: "weakref.WeakValueDictionary[int, Stream]" = weakref.WeakValueDictionary()
@@ -399,7 +439,7 @@ class Stream:
         self.deferred = deferred or DEFER_ALL
         self.busy = DEFER_ALL and not deferred   # held back, but progresses when queried
         self.pending: List[Callable[[], Optional[list]]] = []
-        self.outstanding: list = []   # MPI requests of the last piece of work run
+        self.outstanding: List[_Transfers] = []   # of the last piece of work run
         self.enqueued = 0   # pieces of work ever enqueued
         self.executed = 0   # pieces of work ever started
         self.log: List[str] = []
@@ -424,7 +464,8 @@ class Stream:
         self.enqueued += 1
         self.pending.append(op)
         if not self.deferred:
-            self.run_until(self.enqueued, complete=False)
+            with _asynchronous():
+                self.run_until(self.enqueued, complete=False)
 
     def _legacy_ordered(self, op: Callable[[], Optional[list]]) -> Callable:
         """``op`` after the earlier work of the streams the legacy null stream orders it with
@@ -450,6 +491,9 @@ class Stream:
         return ordered
 
     def run_until(self, position: int, complete: bool = True) -> None:
+        """Run the work up to ``position`` (and complete it, with ``complete``). Inside an
+        asynchronous call (:func:`_asynchronous`), work that would wait for a kernel that
+        waits for a dead member stays queued instead (rule 22)."""
         with self.lock:
             while self.executed < position:
                 self._complete()
@@ -458,14 +502,19 @@ class Stream:
                     break
                 op = self.pending.pop(0)
                 self.executed += 1
-                self.outstanding = op() or []
+                try:
+                    self.outstanding = op() or []
+                except _Stalled:   # it runs again when the kernel it waits for has ended
+                    self.pending.insert(0, op)
+                    self.executed -= 1
+                    raise
             if complete:
                 self._complete()
 
     def _complete(self) -> None:
-        if self.outstanding:
-            MPI.Request.Waitall(self.outstanding)
-            self.outstanding = []
+        while self.outstanding:
+            self.outstanding[0].wait()
+            self.outstanding.pop(0)
 
     def synchronize(self) -> None:
         """cudaStreamSynchronize: invalid on a capturing stream, unsafe during captures."""
@@ -490,9 +539,10 @@ class Stream:
             if self.executed > position:
                 return True
             if self.executed == position:
-                return MPI.Request.Testall(self.outstanding)
+                return all(transfers.test() for transfers in self.outstanding)
             if self.busy and threading.current_thread() is threading.main_thread():
-                self.run_until(self.executed + 1, complete=False)   # a busy GPU gets on
+                with _asynchronous():   # a busy GPU gets on
+                    self.run_until(self.executed + 1, complete=False)
             return False
         finally:
             self.lock.release()
@@ -920,6 +970,9 @@ _ids = itertools.count()
 # Under MPI's ULFM (Open MPI's mpiexec --with-ft ulfm) processes may die and the others go on:
 # the members of a communicator then meet as NCCL's do, without the world's communicator.
 _ULFM = not unsupported(MPI.Get_library_version())
+#: MPI's error classes that say a member of a stand-in communicator is gone (rule 22): ULFM's,
+#: where the MPI has it (MPICH's mpi4py gives those names the class of any unknown error).
+LOSSES = FAILURES if _ULFM else frozenset()
 # NCCL's group state is per thread: (stream pointer, issue, communicator) of each call of this
 # thread's open group in ``calls``, how deeply groups nest in ``depth`` (rule 15)
 _groups = threading.local()
@@ -972,7 +1025,7 @@ def groupEnd() -> None:
     def run():
         requests: list = []
         for _, issue, _ in calls:
-            requests.extend(issue())
+            requests.extend(issue() or [])
         return requests
     stream = Stream.from_ptr(streams.pop())
     op = lambda: None if NO_WORK else run()
@@ -1003,6 +1056,40 @@ def _duplicate_gpu(gpus: list) -> str:
                     f"device {device} (set distinct NCCL_HOSTIDs, or "
                     f"NCCL_MULTI_RANK_GPU_ENABLE=1)")
     return ""
+
+
+class _Transfers:
+    """What a stand-in kernel of ``comm`` left running: MPI requests (its sends and receives),
+    or, with ``lost``, nothing but the wait for a member that died (rule 22): that kernel
+    ends only when ``comm`` is aborted."""
+
+    __slots__ = ("comm", "requests", "lost")
+
+    def __init__(self, comm: "NcclCommunicator", requests: list, lost: bool = False) -> None:
+        self.comm, self.requests, self.lost = comm, requests, lost
+
+    def test(self) -> bool:
+        """Whether the kernel has ended (never blocks)."""
+        if not self.lost:
+            try:
+                return MPI.Request.Testall(self.requests)
+            except MPI.Exception as error:
+                self.lost = self.comm._member_died(error)
+        return not self.comm._alive
+
+    def wait(self) -> None:
+        """Block until the kernel ends; inside an asynchronous call, raise _Stalled where it
+        waits for a dead member."""
+        if not self.lost:
+            try:
+                MPI.Request.Waitall(self.requests)
+                return
+            except MPI.Exception as error:
+                self.lost = self.comm._member_died(error)
+        while self.comm._alive:
+            if getattr(_stalls, "depth", 0):
+                raise _Stalled()
+            time.sleep(0.005)
 
 
 def _receive_any(tag: int) -> Any:
@@ -1042,6 +1129,7 @@ class NcclCommunicator:
         self._grouping: Optional[int] = None  # the thread whose open group has a call of it
         self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
         self.member_lost: Optional[str] = None   # tests set it to model a member's death
+        self._waiting = False   # a kernel waits for a dead member (rule 22)
         self.unique_id = bytes(commId)   # what the members met by (tests compare them)
         self.freed_by = ""   # "ncclCommDestroy" or "ncclCommAbort", once ended (rule 21)
 
@@ -1124,6 +1212,8 @@ class NcclCommunicator:
         """What says that a member of this communicator died, or '' (rule 21)."""
         if self.member_lost:
             return self.member_lost
+        if self._waiting:
+            return "a kernel waits for a dead member"
         failed = self._comm.Get_failed()   # ULFM's; always empty under an MPI without it
         try:
             return f"{failed.Get_size()} member(s) failed" if failed.Get_size() else ""
@@ -1141,7 +1231,38 @@ class NcclCommunicator:
             self._comm.Free()
 
     def abort(self) -> None:
-        self._free("ncclCommAbort")   # MPI cannot cancel; the stand-in forbids further use
+        """MPI cannot cancel: the stand-in forbids further use, ends the kernels that wait for
+        a dead member and, under ULFM, breaks this member's connections (rule 22)."""
+        self._free("ncclCommAbort")
+        if _ULFM and not self._comm.Is_revoked():
+            self._comm.Revoke()
+
+    def _member_died(self, error: MPI.Exception) -> bool:
+        """``error``, of this communicator's MPI, says a member is gone: NCCL's proxy reports
+        it asynchronously and the kernel waits (rule 22); any other error is raised."""
+        if error.Get_error_class() not in LOSSES:
+            raise error
+        self._waiting = True
+        self.async_error = self.async_error or (
+            f"ncclRemoteError: a remote process exited or the network failed "
+            f"({error.Get_error_string()})")
+        return True
+
+    def _kernel(self, work: Callable[[], Optional[list]]) -> Callable[[], Optional[list]]:
+        """The kernel of a call doing ``work`` (which may return the MPI requests it started):
+        it does nothing on an aborted communicator, and waits where a member died (rule 22),
+        as do the later kernels of the communicator."""
+        def kernel() -> Optional[list]:
+            if NO_WORK or not self._alive:
+                return None
+            if self._waiting:
+                return [_Transfers(self, [], lost=True)]
+            try:
+                requests = work()
+            except MPI.Exception as error:
+                return [_Transfers(self, [], self._member_died(error))]
+            return [_Transfers(self, requests)] if requests else None
+        return kernel
 
     def commSplit(self, color: int, key: int, config: Any = None) -> Optional["NcclCommunicator"]:
         _converted("commSplit", color, key)
@@ -1153,6 +1274,7 @@ class NcclCommunicator:
         split._comm, split._rank, split._size = sub, sub.Get_rank(), sub.Get_size()
         split._device, split._alive, split.async_error = self._device, True, None
         split.member_lost, split.freed_by, split.unique_id = None, "", b""
+        split._waiting = False
         split._last = split._user = split._grouping = None
         split._inside, split._readers_lock = [], threading.Lock()
         return split
@@ -1166,7 +1288,7 @@ class NcclCommunicator:
             if group is not None:
                 # In a group, sends and receives start as MPI requests and collectives run in
                 # the order they were issued (NCCL requires every rank to issue them alike).
-                group.append((stream_ptr, nonblocking or (lambda: run() or []), self))
+                group.append((stream_ptr, self._kernel(nonblocking or run), self))
                 self._grouping = threading.get_ident()
                 return
             self._enqueue(stream_ptr, name, run)
@@ -1187,10 +1309,8 @@ class NcclCommunicator:
         self._user = me
 
     def _enqueue(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]]) -> None:
-        # An aborted communicator's kernels end without doing their work.
         stream = Stream.from_ptr(stream_ptr)
-        stream.enqueue(self._in_order(stream, lambda: None if NO_WORK or not self._alive
-                                      else run()), f"nccl {name}")
+        stream.enqueue(self._in_order(stream, self._kernel(run)), f"nccl {name}")
 
     def _in_order(self, stream: Stream, op: Callable[[], Optional[list]]) -> Callable:
         """``op``, about to be enqueued on ``stream``, after this communicator's previous call

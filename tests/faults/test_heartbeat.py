@@ -7,9 +7,16 @@ heartbeat bound is not taken for dead.
 The jobs start mpiexec themselves, so they run in the single-process pass of the suite and
 skip under mpiexec; they need MPICH's hydra to simulate nodes.
 """
+import os
+import time
+
+import numpy as np
 import pytest
+from mpi4py import MPI
 
 import cupycomm
+from cupycomm.faults.board import FIELDS, PID, RANK
+from cupycomm.faults.heartbeat import Heartbeats
 from cupycomm.testing import SIMULATES_NODES, no_auto_cleanup, run_mpiexec, simulated_nodes
 from fault_jobs import (BOUND, HYDRA_OWN_FAILURE, HYDRA_PROXY_ASSERTION, LAUNCHER, SCENARIO, ended_quickly,
                         no_rank_finished, nodes_of)
@@ -36,6 +43,76 @@ def test_a_subgroup_within_one_node_has_no_heartbeats():
         assert sub.parts.tracker.beats is None
     finally:
         sub.close()
+
+
+# -- a node leader lost under ULFM, in "raise" mode (a unit: hydra, which simulates nodes, has
+# no ULFM) ------------------------------------------------------------------------------------
+class _Board:
+    """A node board's rows (this node: ranks 0 and 1) and the departure its leader relays."""
+
+    def __init__(self):
+        self.rows = np.zeros((2, FIELDS), np.int64)
+        self.rows[:, RANK] = 0, 1
+        self.rows[:, PID] = os.getpid()
+        self.gone = (0, 0, 0, 0)
+
+    def relay(self, gone, state, seq, since_ns):
+        self.gone = (gone, state, seq, since_ns)
+
+    def relayed(self):
+        return self.gone
+
+
+class _Request:
+    def __init__(self, dead):
+        self.dead = dead
+
+    def Test(self):
+        if self.dead:
+            raise MPI.Exception(MPI.ERR_PROC_FAILED)
+        return False
+
+
+class _Leaders:
+    """The leaders' communicator as ULFM leaves it once leader 1 (node b's) died: receives
+    from it fail; it is in the failed group."""
+
+    def Set_errhandler(self, handler):
+        pass
+
+    def Get_rank(self):
+        return 0
+
+    def Irecv(self, buffer, source, tag):
+        return _Request(source == 1)
+
+    def Isend(self, buffer, dest, tag):
+        return _Request(False)
+
+
+@pytest.mark.mpi(max_size=1)
+@pytest.mark.parametrize("raising", [True, False], ids=["raise", "abort"])
+def test_a_dead_leader_is_relayed_as_a_dead_rank_in_raise_mode(monkeypatch, raising):
+    """Node b (ranks 2, 3; leader 2) loses its leader: in "raise" mode its receive fails
+    with ERR_PROC_FAILED, and every rank of node a reads rank 2's death (the watchdog then
+    aborts their device work for PeerLost naming it); the heartbeats go on for node c. In
+    "abort" mode such an error stops the heartbeats, as any MPI error does."""
+    monkeypatch.setattr("cupycomm.survivors.policy._raising", raising)
+    monkeypatch.setattr("cupycomm.faults.heartbeat.failed_in", lambda comm: [1])
+    board = _Board()
+    beats = Heartbeats(_Leaders(), board, "world", ["a", "b", "c"], [[0, 1], [2, 3], [4]],
+                       [0, 0, 1, 1, 2], bound=5.0)
+    now = time.monotonic()
+    beats.poll(now)
+    if not raising:
+        assert beats._broken and beats.departure() is None
+        return
+    assert not beats._broken and sorted(beats._receiving) == [2]   # node c's leader still
+    gone = beats.departure()
+    assert gone is not None and gone.ranks == (2,) and gone.left == 0, gone
+    assert gone.who == "rank 2 of communicator world (node b)" and "has died" in gone.how
+    beats.poll(now + 10.0)   # past the bound: node c, never heard, is silent; node b is done with
+    assert beats._silent == [False, False, True]
 
 
 # -- on two simulated nodes: the last node's ranks fail, the first node's wait --------------------

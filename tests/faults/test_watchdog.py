@@ -303,6 +303,82 @@ def test_a_peer_dead_on_another_node_aborts_device_work_naming_its_world_ranks(n
                                                 "has sent no heartbeat while device")
 
 
+class _Beats:
+    """Heartbeats whose leader relays ``gone`` (a Departure, or None: nothing yet)."""
+
+    bound, interval = 5.0, 0.5
+
+    def __init__(self) -> None:
+        self.gone = None
+
+    def poll(self, now: float) -> None:
+        pass
+
+    def departure(self):
+        return self.gone
+
+
+class _FailingDevice(_Device):
+    """Device work that a lost peer ended: nothing pending (NCCL's kernel returned, its output
+    undefined), or pending for ever; NCCL's proxy reported the closed connection."""
+
+    def __init__(self, pending: bool) -> None:
+        super().__init__()
+        self.pending_work = pending
+
+    def has_pending_work(self) -> bool:
+        return self.pending_work
+
+    def async_error(self) -> str:
+        return "" if self.aborts else "ncclRemoteError: a remote process exited"
+
+
+@pytest.mark.parametrize("pending", [False, True], ids=["returned", "waiting"])
+def test_in_raise_mode_a_loss_on_another_node_aborts_the_device_for_peer_lost(
+        node, monkeypatch, pending):
+    """NCCL reports a remote error as soon as a peer on another node dies; the heartbeats
+    relay that death later (a beat, or their bound for a silent node). In "raise" mode the
+    outcome is a local death's: the abort names the lost world ranks (later calls raise
+    PeerLost), not a bare asynchronous error (NcclError)."""
+    tracker, peer, aborted = node
+    monkeypatch.setattr("cupycomm.survivors.policy._raising", True)
+    tracker.world_ranks, tracker.beats = (0, 7, 6, 5), _Beats()
+    tracker.device = device = _FailingDevice(pending)
+    for now in (0.0, 1.0, 2.0, tracker.beats.bound):   # within the heartbeats' bound
+        tracker.check(now)
+    assert device.aborts == []
+    tracker.beats.gone = Departure("rank 2 of communicator test (node b)", 0, 0, 0.0,
+                                   "has died (its process ended: os._exit, a signal or a "
+                                   "crash), as its node's heartbeat says", (2,))
+    tracker.check(tracker.beats.bound + 0.1)
+    assert aborted == [] and len(device.aborts) == 1
+    reason, lost = device.aborts[0]
+    assert lost == (6,), device.aborts
+    assert reason.startswith("rank 2 of communicator test (node b) has died"), reason
+
+
+def test_in_raise_mode_an_async_error_no_loss_explains_is_nccls_after_the_bound(node,
+                                                                               monkeypatch):
+    tracker, peer, aborted = node
+    monkeypatch.setattr("cupycomm.survivors.policy._raising", True)
+    tracker.beats = beats = _Beats()
+    tracker.device = device = _FailingDevice(False)
+    bound = beats.bound + beats.interval + GRACE
+    tracker.check(10.0)
+    tracker.check(10.0 + bound)
+    assert device.aborts == []
+    tracker.check(10.1 + bound)
+    assert device.aborts == [("NCCL reported an asynchronous error: ncclRemoteError: a "
+                              "remote process exited", None)]
+
+
+def test_in_abort_mode_an_async_error_aborts_the_device_at_once(node):
+    tracker, peer, aborted = node
+    tracker.device = device = _FailingDevice(False)
+    tracker.check(0.0)
+    assert len(device.aborts) == 1 and device.aborts[0][1] is None
+
+
 def test_a_peer_blocked_in_another_collective_of_the_same_number_is_named(node):
     """A rank that raised, caught it and went on to barrier #5 while its peer waits in
     all_reduce #5: every rank has arrived at #5, but not at the same collective."""

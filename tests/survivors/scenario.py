@@ -18,7 +18,10 @@ bucket) does then; it writes what it saw, one JSON object per round, to
 - ``no-shrink``: as ``sigkill``, but the survivors end after PeerLost without going on;
 - ``device``: as ``sigkill``, with device arrays on the NCCL stand-in
   (cupycomm.testing.standin): the NCCL communicator is aborted, not destroyed, and the
-  shrunk one is made from a new unique id, of the survivors only.
+  shrunk one is made from a new unique id, of the survivors only;
+- ``device-blocked``: as ``device``, but only device calls see the loss: the survivors'
+  device all_reduce waits for the dead peer (stand-in rule 22), the watchdog aborts the
+  NCCL communicator, which ends the wait, and their next device call raises PeerLost.
 
 A victim never ends by raising: under ULFM its MPI_Finalize would wait for ever (mpi4py's
 own ULFM tests kill instead).
@@ -72,7 +75,13 @@ def survive(comm, case, directory, victim, xp):
     seen = {}
     progress(directory, f"all_reduce, victim {victim}")
     try:
-        comm.all_gather_object(me) if case == "objects" else comm.all_reduce(x)
+        if case == "objects":
+            comm.all_gather_object(me)
+        elif case == "device-blocked":
+            xp.asnumpy(comm.all_reduce(xp.asarray(x)))   # returns once the watchdog aborted
+            comm.all_reduce(xp.asarray(x))
+        else:
+            comm.all_reduce(x)
         seen["raised"] = None
     except cupycomm.PeerLost as lost:
         seen.update(raised="PeerLost", ranks=list(lost.ranks), call=lost.call, seq=lost.seq)
@@ -120,7 +129,7 @@ def _world_ranks(mpi_comm):
 def main(case: str, directory: str) -> None:
     options = {}
     xp = np
-    if case == "device":
+    if case.startswith("device"):
         from cupycomm.testing import standin
         options["device_module"] = xp = standin
     progress(directory, "started")

@@ -112,6 +112,44 @@ def test_the_device_side_aborts_the_nccl_communicator_and_makes_one_of_the_survi
 
 
 @needs_ulfm
+def test_a_loss_that_only_device_collectives_see_is_ended_by_the_watchdog(tmp_path):
+    """The survivors' device all_reduce waits for world rank 1, killed (no MPI error: stand-in
+    rule 22); each survivor's watchdog sees the dead peer and aborts the NCCL communicator
+    (never destroyed), which ends the wait; the next device call raises PeerLost naming
+    rank 1, the same call and number on each; then agree, shrink, a new NCCL communicator."""
+    job = run_case("device-blocked", tmp_path)
+    found = records(tmp_path, (0, 2, 3), job)
+    check_round({rank: rounds[0] for rank, rounds in found.items()}, 1, [0, 2, 3], job)
+    for rank, rounds in found.items():
+        d = rounds[0]["device"]
+        assert d["old_freed_by"] == "ncclCommAbort" and d["new_members"] == [0, 2, 3], d
+    assert job.output.count("the NCCL communicator was aborted: later device calls raise "
+                            "PeerLost") == 3, job.output
+
+
+@needs_ulfm
+def test_a_device_collective_that_a_dead_peer_blocks_goes_the_gpus_way(tmp_path):
+    """benchmarks/gpu_survivors.py on the NCCL stand-in, which models what an H200 showed
+    (stand-in rule 22): in round 2, world rank 0's device all_reduce waits for world rank 1,
+    killed, without an MPI error; the watchdog sees the dead peer and aborts the NCCL
+    communicator, which ends the wait; PeerLost names rank 1; the shrink to one rank and
+    its device all_reduce go on. Round 1 (a loss that a host call sees) comes first."""
+    script = str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_survivors.py")
+    job = run_mpiexec(3, script, str(tmp_path), "--device-module", "cupycomm.testing.standin",
+                      timeout=BOUND, mpiexec_args=list(policy.FLAGS))
+    assert not job.timed_out and job.returncode == 0, job.output
+    for rank in (0, 1):
+        assert f"world rank {rank}: round 1: PeerLost(ranks=(2,), call='all_reduce'" \
+            in job.output, job.output
+    assert "has died (its process ended: os._exit, a signal or a crash) while device " \
+        "collectives up to #2 wait on rank 0 of 3" in job.output, job.output
+    assert "the NCCL communicator was aborted: later device calls raise PeerLost" \
+        in job.output, job.output
+    assert "world rank 0: round 2: PeerLost(ranks=(1,), call='all_reduce', seq=3); shrunk " \
+        "to 1 rank(s) (0,); device all_reduce ok" in job.output, job.output
+
+
+@needs_ulfm
 @pytest.mark.parametrize("case, recovered", [("exit3", True), ("no-shrink", False)])
 def test_cupycomm_run_says_whether_the_program_recovered(case, recovered, tmp_path):
     """``python -m cupycomm.run --survivors``: the lost rank is named; the status is 0 only

@@ -4,6 +4,7 @@ import contextlib
 import ctypes
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -211,6 +212,53 @@ def test_a_communicator_whose_members_all_live_is_destroyed():
     comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
     comm.destroy()
     assert comm.freed_by == "ncclCommDestroy"
+
+
+# -- a dead member leaves kernels waiting until the abort, and NCCL reports it (rule 22) -------
+class _DeadMember:
+    """A communicator's MPI as ULFM leaves it once a member died: its collectives and
+    transfers fail with ERR_PROC_FAILED."""
+
+    def __init__(self, mpi_comm):
+        self.mpi_comm = mpi_comm
+
+    def Allgather(self, *args):
+        raise MPI.Exception(MPI.ERR_PROC_FAILED)
+
+    Bcast = Allgather
+
+    def __getattr__(self, name):
+        return getattr(self.mpi_comm, name)
+
+
+def test_a_collective_whose_member_died_waits_until_the_communicator_is_aborted(monkeypatch):
+    """No MPI error reaches the caller: the launch returns, its kernel (and the work queued
+    behind it, and the communicator's next call) waits, the host blocks only where it
+    synchronizes; ncclCommGetAsyncError says ncclRemoteError; the abort ends the wait."""
+    monkeypatch.setattr(sd, "LOSSES", frozenset({MPI.ERR_PROC_FAILED}))   # ULFM's, modelled
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    comm._comm = _DeadMember(comm._comm)
+    stream, after = sd.Stream(non_blocking=True), sd.Stream(non_blocking=True)
+    x, y = sd.asarray(np.arange(4.0)), sd.zeros(4)
+    comm.allReduce(x.data.ptr, y.data.ptr, 4, 8, 0, stream.ptr)   # raises nothing
+    with pytest.raises(sd.NcclError, match="ncclRemoteError") as error:
+        comm.check_async_error()
+    assert error.value.status == 6
+    event = stream.record()
+    after.wait_event(event)                       # the host does not block here
+    ran = []
+    sd.launch(after, lambda: ran.append(True))
+    comm.bcast(y.data.ptr, 4, 8, 0, after.ptr)    # nor here: it waits behind the first
+    assert not stream.done and not event.done and not after.done and ran == []
+    with pytest.raises(sd.NcclError, match="ncclCommDestroy .*a kernel waits for a dead"):
+        comm.destroy()                            # rule 21: aborted, never destroyed
+    aborter = threading.Timer(0.3, comm.abort)
+    aborter.start()
+    began = time.monotonic()
+    after.synchronize()                           # blocks until the abort ends the kernels
+    aborter.join()
+    assert time.monotonic() - began >= 0.25 and ran == [True]
+    assert stream.done and event.done and comm.freed_by == "ncclCommAbort"
 
 
 @pytest.mark.parametrize("bad, error", [(2.0, TypeError), (None, TypeError),
