@@ -21,13 +21,17 @@ from .backends import Collectives, DeviceBackend
 from .backends.mpi import MPIBackend
 from .faults.watchdog import Tracker
 
-__all__ = ["Route", "Router"]
+__all__ = ["MOVES", "Route", "Router"]
 
 Route = Tuple[Collectives, Any, Any]
 """(backend, array, wire type): the backend that takes the array, the array as NumPy/CuPy
 (a view of a foreign one; the backend is then a :class:`~cupycomm._foreign.Foreign` that maps
 results back), and the backend's type for its dtype (and op): ``reductions[dtype][op]``, or
 ``movements[dtype]`` without an op, which the backend's methods take as ``spec``."""
+
+#: :meth:`Router.route`'s ``op`` for a call that moves data (not None, which a user may pass
+#: as a reduction's op, to be refused by name as any other unknown op).
+MOVES: Any = object()
 
 
 class Router:
@@ -59,11 +63,12 @@ class Router:
         self._checks = checks
 
     # -- the array's backend ----------------------------------------------------------------------
-    def route(self, name: str, arg: Any, x: Any, op: Any = None, collective: bool = True,
-              writes: bool = False, stream: Any = None) -> Route:
+    def route(self, name: str, arg: Any, x: Any, op: Any = MOVES,
+              collective: bool = True, writes: bool = False, stream: Any = None) -> Route:
         """The :data:`Route` of argument ``arg`` of call ``name``, after every check of the
         array alone (that it is writable too if the call ``writes`` into it), of ``op`` for
-        its dtype when ``op`` is given, and of ``stream`` for the backend when given."""
+        its dtype unless ``op`` is :data:`MOVES` (a call that moves data), and of ``stream``
+        for the backend when given."""
         b = self.backends.get(type(x))
         if b is None:
             b, x = self._route_unusual(name, arg, x, collective, writes)
@@ -74,9 +79,9 @@ class Router:
         elif not x.flags.c_contiguous or x.device.id != b.device_id:
             b, x = self._route_unusual(name, arg, x, collective, writes)
         try:
-            wire_type = b.movements[x.dtype] if op is None else b.reductions[x.dtype][op]
+            wire_type = b.movements[x.dtype] if op is MOVES else b.reductions[x.dtype][op]
         except (KeyError, TypeError):
-            if op is None:
+            if op is MOVES:
                 raise self._checks.dtype_error(name, arg, x) from None
             raise self._checks.reduction_error(name, arg, b, x, op) from None
         if stream is not None:

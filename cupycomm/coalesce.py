@@ -25,6 +25,7 @@ import contextlib
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from ._dispatch import MOVES
 from ._packing import views_of
 from ._validate import kind_name
 from .work import Work, WorkGroup
@@ -60,7 +61,8 @@ def runs_by_dtype(arrays: Sequence[Any], limit: Optional[int]) -> List[List[int]
 
 def _runs(comm: Any, name: str, arrays: Sequence[Any], op: Any,
           limit: Optional[int]) -> Tuple[List[List[int]], List[Any], Any]:
-    """Check the arrays (one kind, each valid for ``op``); return :func:`runs_by_dtype` of
+    """Check the arrays (one kind, each valid for ``op``, or for moving data where it is
+    ``MOVES``); return :func:`runs_by_dtype` of
     them, the arrays as NumPy/CuPy views (foreign ones converted) and the array module.
 
     Per array only what can differ between arrays of one dtype is checked (kind, contiguity),
@@ -196,7 +198,7 @@ class Bucket:
     """
 
     def __init__(self, comm: Any, arrays: Sequence[Any]) -> None:
-        runs, natives, xp = _runs(comm, "bucket", arrays, None, None)
+        runs, natives, xp = _runs(comm, "bucket", arrays, MOVES, None)
         self._comm = comm
         self.flats: List[Any] = []
         views: List[Any] = [None] * len(arrays)

@@ -85,6 +85,8 @@ def cases():
          r"op must be one of 'sum', 'prod', 'min', 'max', 'avg' or a ReduceOp, got 'mean'"),
         ("op-unhashable", lambda c, lib: c.all_reduce(a(lib), op=["sum"]), ValueError,
          "op must be one of"),
+        ("op-none", lambda c, lib: c.reduce_scatter(a(lib, (c.size,)), op=None), ValueError,
+         "op must be one of .* got None"),
         ("op-integer-avg", lambda c, lib: c.all_reduce(a(lib, dtype=np.int32), op="avg"),
          ValueError, r"op='avg' is not defined for int32 \(an integer mean would truncate"),
         ("op-complex-max", lambda c, lib: c.reduce(a(lib, dtype=np.complex64), op="max"),

@@ -114,8 +114,9 @@ class Elementwise:
     __hash__ = None
 
 
-@pytest.mark.parametrize("op", [["sum"], Elementwise(), "mean", "SUM", 1],
-                         ids=["list", "elementwise-eq", "unknown", "name-not-value", "int"])
+@pytest.mark.parametrize("op", [["sum"], Elementwise(), "mean", "SUM", 1, None],
+                         ids=["list", "elementwise-eq", "unknown", "name-not-value", "int",
+                              "none"])
 @pytest.mark.parametrize("name", REDUCTIONS)
 def test_a_bad_op_gets_the_general_paths_error_on_every_reduction(host, name, op):
     arm_tripwires(host)
