@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from mpi4py import MPI
 
-from .._bootstrap import world
+from .._bootstrap import joined_as, world
 
 __all__ = ["world_ranks", "note_lost", "places", "job", "adopt", "joined_late"]
 
@@ -79,7 +79,9 @@ def adopt(mpi_comm: MPI.Comm, ranks: Sequence[int], known: Dict[str, Any], late:
     _LOST.clear()
     _LOST.update(set(known["lost"]) - set(ranks))
     _given = max(known["given"], max(ranks) + 1)
-    _late = _late or late
+    if late:
+        _late = True
+        joined_as(tuple(ranks)[mpi_comm.Get_rank()], len(ranks))
 
 
 def joined_late() -> bool:
