@@ -72,10 +72,12 @@ def grow(comm: "Communicator", n: int, command: Optional[Sequence[str]] = None
         spawned.bcast(plan, root=MPI.ROOT if comm.rank == 0 else MPI.PROC_NULL)
         grown = _merge(spawned, plan, comm.world_ranks[comm.rank], high=False)
     retire(comm, survival, "grow")
-    return Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
+    made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
                                device=comm.parts.router.device_choice,
                                device_module=comm.parts.router.cupy, debug=plan["debug"],
                                device_rank=comm.parts.router.device_rank)
+    numbering.keep(made)
+    return made
 
 
 def spawned_to_join() -> bool:
@@ -92,8 +94,10 @@ def join(device: Optional[int], device_module: Any) -> "Communicator":
     parent = MPI.Comm.Get_parent()
     plan = parent.bcast(None, root=0)
     grown = _merge(parent, plan, plan["ranks"][parent.Get_rank()], high=True)
-    return Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
+    made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
                                device=device, device_module=device_module, debug=plan["debug"])
+    numbering.keep(made)
+    return made
 
 
 def _plan(comm: "Communicator", n: int) -> Dict[str, Any]:

@@ -20,13 +20,14 @@ from mpi4py import MPI
 
 from .._bootstrap import joined_as, world
 
-__all__ = ["world_ranks", "note_lost", "places", "job", "adopt", "joined_late"]
+__all__ = ["world_ranks", "note_lost", "places", "job", "adopt", "joined_late", "keep"]
 
 _LOST: Set[int] = set()   # world ranks lost and not taken again (noted by every survivor alike)
 _given: Optional[int] = None   # how many world ranks the job has given: its world's size, more
 # the groups of grown communicators and their ranks' world ranks, newest first
 _GROWN: List[Tuple[MPI.Group, Tuple[int, ...]]] = []
 _late = False   # this process was started by comm.grow() (it is in a world of its own)
+_KEPT: List[Any] = []   # the communicators made since a grow (see keep)
 
 
 def world_ranks(mpi_comm: MPI.Comm) -> Tuple[int, ...]:
@@ -96,6 +97,17 @@ def joined_late() -> bool:
             state.sync(comm)   # the survivors sync too: they take part in the same call
     """
     return _late
+
+
+def keep(communicator: Any) -> None:
+    """Hold ``communicator`` until exit, where this process took part in a grow: its MPI
+    communicator may hold processes of another MPI job (spawned ones), and Open MPI's
+    MPI_Finalize disconnects each such communicator still allocated, waiting for its peers
+    to do the same: for ever where one of them freed it (a Communicator dropped without
+    ``close()``, then collected, leaves its MPI communicator allocated). Held, it is closed,
+    and freed, at exit on every process alike (``_bootstrap.close_all``)."""
+    if _GROWN:
+        _KEPT.append(communicator)
 
 
 def _count() -> int:

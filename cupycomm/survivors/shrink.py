@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from ..errors import PeerLost
 from ..run import exit_records
+from .numbering import keep
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -46,6 +47,7 @@ def shrink(comm: "Communicator", survival: "Survival") -> "Communicator":
                                  debug=comm.debug, device_rank=router.device_rank)
     if had_device:   # as the old one had: collective, a fresh unique id over ``successor``
         shrunk.init_device()
+    keep(shrunk)   # after a grow: see numbering.keep
     return shrunk
 
 

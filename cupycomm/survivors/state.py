@@ -24,7 +24,7 @@ from mpi4py import MPI
 from ..errors import PeerLost
 from . import policy
 from .lost import FAILURES, enlist, failed_in
-from .numbering import note_lost, world_ranks
+from .numbering import keep, note_lost, world_ranks
 
 __all__ = ["Survival", "survival_for"]
 
@@ -55,6 +55,7 @@ class Survival:
     def adopt(self, child: Any) -> None:
         """``child``, a communicator split from this one, is retired with it by shrink()."""
         self._children.add(child)
+        keep(child)
 
     def children(self) -> List[Any]:
         """The open communicators split from this one."""
