@@ -76,10 +76,11 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
             return current
     timeout, debug = _settings(timeout, debug)
     joining = mpi_comm is None and grow.spawned_to_join()
-    if joining and on_peer_loss == "abort":
-        raise RuntimeError("init: this process was started by comm.grow() to join ranks that "
-                           "go on after a lost peer; on_peer_loss='abort' cannot be its mode "
-                           "(leave it out, or pass 'raise')")
+    if joining and on_peer_loss == "abort":   # said to the survivors too, who wait for it
+        grow.join(device, device_module, "this process was started by comm.grow() to join "
+                                         "ranks that go on after a lost peer; "
+                                         "on_peer_loss='abort' cannot be its mode (leave it "
+                                         "out, or pass 'raise')")
     if on_peer_loss is not None or joining:
         policy.choose(on_peer_loss or "raise", MPI.Get_library_version())
     _install_process_hooks(abort_on_exception, joining)

@@ -70,6 +70,11 @@ def grow(comm: "Communicator", n: int, command: Optional[Sequence[str]] = None
             raise RuntimeError(f"grow: MPI could not start {n} process(es) running "
                                f"{' '.join(argv)!r}: {error} (rank {comm.rank})") from error
         spawned.bcast(plan, root=MPI.ROOT if comm.rank == 0 else MPI.PROC_NULL)
+        refusal = spawned.bcast(None, root=0)   # the first new process's answer
+        if refusal is not None:
+            spawned.Disconnect()
+            raise RuntimeError(f"grow: the new process(es) running {' '.join(argv)!r} did "
+                               f"not join: {refusal} (rank {comm.rank})")
         grown = _merge(spawned, plan, comm.world_ranks[comm.rank], high=False)
     retire(comm, survival, "grow")
     made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
@@ -86,13 +91,20 @@ def spawned_to_join() -> bool:
     return _env.read("CUPYCOMM_JOIN") and MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
-def join(device: Optional[int], device_module: Any) -> "Communicator":
+def join(device: Optional[int], device_module: Any, refusal: Optional[str] = None
+         ) -> "Communicator":
     """The grown communicator, in a process that ``comm.grow()`` started (``init()`` calls
-    it): the survivors' plan, the merge, the split in world-rank order. ``device`` and
-    ``device_module`` are this process's; the name, timeout and debug mode the survivors'."""
+    it): the survivors' plan, the answer, the merge, the split in world-rank order.
+    ``device`` and ``device_module`` are this process's; the name, timeout and debug mode the
+    survivors'. With a ``refusal`` (why this process cannot join), the survivors' grow()
+    raises it, and so does this call, on every side alike."""
     from ..communicator import Communicator
     parent = MPI.Comm.Get_parent()
     plan = parent.bcast(None, root=0)
+    parent.bcast(refusal, root=MPI.ROOT if parent.Get_rank() == 0 else MPI.PROC_NULL)
+    if refusal is not None:
+        parent.Disconnect()
+        raise RuntimeError(f"init: {refusal}")
     grown = _merge(parent, plan, plan["ranks"][parent.Get_rank()], high=True)
     made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
                                device=device, device_module=device_module, debug=plan["debug"])

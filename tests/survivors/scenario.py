@@ -22,10 +22,12 @@ bucket) does then; it writes what it saw, one JSON object per round, to
 - ``device-blocked``: as ``device``, but only device calls see the loss: the survivors'
   device all_reduce waits for the dead peer (stand-in rule 22), the watchdog aborts the
   NCCL communicator, which ends the wait, and their next device call raises PeerLost;
-- ``grow``, ``grow-device`` (device arrays on the stand-in): as ``sigkill``, then the survivors try grow() with bad arguments and
-  ``grow(1)``: a new process, started as this program again (its ``init()`` joins), takes
-  world rank 1; every rank of the grown communicator, the newcomer too, runs an all_reduce
-  of host and stand-in device arrays and writes ``DIR/grown-<world rank>.json``.
+- ``grow``, ``grow-device`` (device arrays on the stand-in): as ``sigkill``, then the
+  survivors try grow() with bad arguments, a grow() whose new process refuses to join
+  (``init(on_peer_loss="abort")``), and ``grow(1)``: a new process, started as this
+  program again (its ``init()`` joins), takes world rank 1; every rank of the grown
+  communicator, the newcomer too, runs an all_reduce of host and stand-in device arrays
+  and writes ``DIR/grown-<world rank>.json``.
 
 A victim never ends by raising: under ULFM its MPI_Finalize would wait for ever (mpi4py's
 own ULFM tests kill instead).
@@ -139,6 +141,12 @@ def grow(comm, directory, xp):
             refused[name] = None
         except (TypeError, ValueError) as error:
             refused[name] = f"{type(error).__name__}: {error}"
+    abort_mode = [sys.executable, "-c", "import cupycomm; cupycomm.init(on_peer_loss='abort')"]
+    try:   # a new process that refuses to join: every survivor raises, comm stays usable
+        comm.grow(1, command=abort_mode)
+        refused["newcomer"] = None
+    except RuntimeError as error:
+        refused["newcomer"] = f"{type(error).__name__}: {error}"
     comm.all_reduce(np.ones(2))   # still usable after the refusals
     progress(directory, "growing")
     grown = comm.grow(1)

@@ -158,8 +158,9 @@ def test_grow_puts_a_new_process_in_the_lost_rank_s_place(tmp_path):
     program, whose init() joins) takes world rank 1; on every rank of the grown
     communicator, the newcomer too, world_ranks (0, 1, 2, 3) and the all_reduce of host and
     stand-in device arrays are right, the NCCL communicator one of all 4 from a new unique
-    id; bad arguments were refused first on every survivor, and the shrunk communicator
-    refuses every call after the grow."""
+    id; bad arguments, and a new process that refused to join (init(on_peer_loss="abort")),
+    were refused first on every survivor, and the shrunk communicator refuses every call
+    after the grow."""
     job = run_case("grow-device", tmp_path)
     found = records(tmp_path, (0, 2, 3), job)
     check_round({rank: rounds[0] for rank, rounds in found.items()}, 1, [0, 2, 3], job)
@@ -191,7 +192,12 @@ def test_grow_puts_a_new_process_in_the_lost_rank_s_place(tmp_path):
             "n=True": f"TypeError: grow: n must be an int (how many processes to start), got "
                       f"True on rank {me}",
             "command=str": f"TypeError: grow: command must be a non-empty list of str (the "
-                           f"program and its arguments), got {sys.executable!r} on rank {me}"}
+                           f"program and its arguments), got {sys.executable!r} on rank {me}",
+            "newcomer": f"RuntimeError: grow: the new process(es) running "
+                        f"\"{sys.executable} -c import cupycomm; cupycomm.init(on_peer_loss="
+                        f"'abort')\" did not join: this process was started by comm.grow() to "
+                        f"join ranks that go on after a lost peer; on_peer_loss='abort' cannot "
+                        f"be its mode (leave it out, or pass 'raise') (rank {me})"}
         for call, refusal in grown[rank]["after"].items():
             assert refusal == (f"CommShrunkError: {call}: the communicator was grown by new "
                                f"processes (rank {me}); use the communicator grow() "
