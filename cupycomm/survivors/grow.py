@@ -2,15 +2,16 @@
 
 The survivors (collective over ``comm``) start ``n`` processes with MPI's ``Spawn`` (by
 default this program again: ``sys.executable`` and ``sys.argv``), send them the world ranks
-they take (the lost ones, lowest first: :func:`.numbering.places`) and merge with them
-(``Intercomm.Merge``); the merged communicator is split once more, keyed by world rank, so
-that its ranks are in world-rank order again: after world rank 1 of 4 was lost and
-``shrink()`` gave ``(0, 2, 3)``, ``grow(1)`` gives ``(0, 1, 2, 3)``, the newcomer rank 1.
-A started process's ``cupycomm.init()`` finds that it was started so (MPI's ``Get_parent``
-and the ``CUPYCOMM_JOIN`` variable that the spawn sets) and joins (:func:`join`), returning
-the grown communicator; :func:`.numbering.joined_late` tells the program. The old
-communicator is retired as after ``shrink()`` (:func:`.shrink.retire`: every call refused
-with :class:`~cupycomm.errors.CommShrunkError`). The grown communicator makes its NCCL
+they take (the lost ones, lowest first:
+:func:`~cupycomm.survivors.numbering.places`) and merge with them (``Intercomm.Merge``);
+the merged communicator is split once more, keyed by world rank, so that its ranks are in
+world-rank order again: after world rank 1 of 4 was lost and ``shrink()`` gave
+``(0, 2, 3)``, ``grow(1)`` gives ``(0, 1, 2, 3)``, the newcomer rank 1. A started
+process's ``cupycomm.init()`` finds that it was started so (MPI's ``Get_parent`` and the
+``CUPYCOMM_JOIN`` variable that the spawn sets) and joins (:func:`join`), returning the
+grown communicator; :func:`~cupycomm.survivors.numbering.joined_late` tells the program.
+The old communicator is retired as after ``shrink()`` (``shrink.retire``: every call
+refused with :class:`~cupycomm.errors.CommShrunkError`). The grown communicator makes its NCCL
 communicator on its first device collective (or ``init_device()``), from a fresh unique id
 broadcast over the grown MPI communicator, as ``init()``'s does.
 
