@@ -9,7 +9,11 @@ It needs the environment of Open MPI 5's wheel (``mpiexec --with-ft ulfm``). Wha
 holds: the victim's end being noticed (ULFM's detector, or the launcher's report), the
 revoke, the agreement on who is gone (MPI_Comm_shrink), the shrunk communicator's set-up
 (its node board, the watchdog) and one all_reduce of 4 doubles; ``two`` has two rows, one
-per loss, and ``device`` makes the new NCCL communicator (on the stand-in) as well.
+per loss, and ``device`` makes the new NCCL communicator (on the stand-in) as well. ``grow``
+has a second row, ``grown``: from the fault to the first good all_reduce on the communicator
+that ``grow(1)`` made after the shrink (the slowest of its 4 ranks, the new process's too):
+the above, the spawn of a Python process that imports cupycomm and calls ``init()``, the
+merge and the grown communicator's set-up.
 """
 import argparse
 import json
@@ -24,7 +28,7 @@ from cupycomm.survivors import policy
 from cupycomm.testing import run_mpiexec
 
 SCENARIO = str(Path(__file__).resolve().parent.parent / "tests" / "survivors" / "scenario.py")
-CASES = ("sigkill", "exit0", "exit3", "abort", "during", "objects", "two", "device")
+CASES = ("sigkill", "exit0", "exit3", "abort", "during", "objects", "two", "device", "grow")
 SURVIVORS = {"two": (0, 2)}
 
 
@@ -37,7 +41,11 @@ def one_job(case: str) -> list:
             raise RuntimeError(f"{case}: the job hung:\n{job.output}")
         rounds = [json.loads((Path(directory) / f"rank-{r}.json").read_text())
                   for r in SURVIVORS.get(case, (0, 2, 3))]
-    return [max(r[i]["fault_to_good"] for r in rounds) for i in range(len(rounds[0]))]
+        times = [max(r[i]["fault_to_good"] for r in rounds) for i in range(len(rounds[0]))]
+        if case == "grow":
+            times.append(max(json.loads((Path(directory) / f"grown-{r}.json").read_text())
+                             ["fault_to_good"] for r in range(4)))
+    return times
 
 
 def main() -> None:
@@ -56,7 +64,8 @@ def main() -> None:
         times = [one_job(case) for _ in range(args.runs)]
         for loss in range(len(times[0])):
             values = [t[loss] * 1e3 for t in times]
-            print(f"| {case} | {loss + 1} | {statistics.median(values):.0f} | "
+            row = "grown" if case == "grow" and loss == 1 else loss + 1
+            print(f"| {case} | {row} | {statistics.median(values):.0f} | "
                   f"{max(values):.0f} | {args.runs} |", flush=True)
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ._init import init
     from .communicator import DEFAULT_TIMEOUT, Communicator
     from .survivors.committed import State
+    from .survivors.numbering import joined_late
     from .survivors.resilient import resilient
     from .work import Work
     prefetch = devices.prefetch
@@ -27,7 +28,7 @@ __all__ = [
     "init", "Communicator", "ReduceOp", "Work", "DTYPES", "DEFAULT_TIMEOUT",
     "CommClosedError", "CommShrunkError", "CollectiveTimeout", "CollectiveMismatch", "NcclError",
     "PeerLost", "TooFewSurvivors", "LocalRankWarning", "devices", "prefetch", "resilient",
-    "State",
+    "State", "joined_late",
 ]
 
 # The module of each name imported at its first use. Importing mpi4py.MPI starts MPI, and the
@@ -36,7 +37,8 @@ __all__ = [
 _HOMES = {"init": "_init", "Communicator": "communicator",
           "DEFAULT_TIMEOUT": "communicator", "ReduceOp": "_dtypes", "DTYPES": "_dtypes",
           "devices": "devices", "prefetch": "devices", "Work": "work",
-          "resilient": "survivors.resilient", "State": "survivors.committed"}
+          "resilient": "survivors.resilient", "State": "survivors.committed",
+          "joined_late": "survivors.numbering"}
 
 
 def __getattr__(name: str) -> Any:

@@ -117,11 +117,25 @@ def check_launch(comm: MPI.Comm, environ: Mapping[str, str] = os.environ) -> Non
             LocalRankWarning, stacklevel=3)
 
 
+_joined: Optional[Tuple[int, int]] = None   # (world rank, job size) of a process grow() started
+
+
+def joined_as(rank: int, size: int) -> None:
+    """This process, started by ``comm.grow()`` in a world of its own, took world rank
+    ``rank`` of a job of ``size``: messages name those."""
+    global _joined
+    _joined = (rank, size)
+
+
 def describe_rank(rank: Optional[int] = None) -> str:
-    """'rank 3 of 4 (host node17, pid 4242)' for messages."""
+    """'rank 3 of 4 (host node17, pid 4242)' for messages; in a process that ``comm.grow()``
+    started, 'rank 1 of 4, started by grow() (host ...)'."""
+    where = f"host {node_name()}, pid {os.getpid()}"
+    if rank is None and _joined is not None:
+        return f"rank {_joined[0]} of {_joined[1]}, started by grow() ({where})"
     w = world()
     rank = w.Get_rank() if rank is None else rank
-    return f"rank {rank} of {w.Get_size()} (host {node_name()}, pid {os.getpid()})"
+    return f"rank {rank} of {w.Get_size()} ({where})"
 
 
 def import_cupy() -> Optional[Any]:

@@ -76,6 +76,7 @@ CALLS: Tuple[Call, ...] = (
     Call("close", INTERNAL),
     Call("agree", INTERNAL),
     Call("shrink", INTERNAL),
+    Call("grow", INTERNAL),
 )
 
 _CODES: Dict[str, int] = {call.name: code for code, call in enumerate(CALLS, start=1)}

@@ -18,7 +18,8 @@ from ._validate import Checks
 from .faults.board import NodeBoard
 from .faults.heartbeat import Heartbeats
 from .faults.watchdog import Tracker, watch
-from .survivors.state import Survival, world_ranks
+from .survivors.numbering import world_ranks
+from .survivors.state import Survival
 
 __all__ = ["Parts", "watched"]
 

@@ -79,6 +79,9 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("CUPYCOMM_RUN_SIZE", _count, 0,
              "the number of ranks of that job: a process of another world size (a singleton, "
              "a program a rank starts) records a stray there (set by python -m cupycomm.run)"),
+    Variable("CUPYCOMM_JOIN", _flag, False,
+             "set by comm.grow() in the processes it starts: their cupycomm.init() joins "
+             "the survivors (see docs/guide/survivors.md)"),
     Variable("CUPYCOMM_BENCH_COMMAND", _text, "",
              "the command line python -m cupycomm.bench records (set by benchmarks/run_matrix)"),
 )

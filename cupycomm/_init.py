@@ -7,7 +7,9 @@
    recorder's signal (each once per process);
 5. :func:`_parent`: the MPI communicator to build on, which ``_bootstrap.check_launch``
    holds against the launcher's world (N singletons where it started N ranks: an error);
-6. the Communicator over a duplicate of it (:meth:`~cupycomm.communicator.Communicator.create`).
+6. the Communicator over a duplicate of it (:meth:`~cupycomm.communicator.Communicator.create`);
+   or, in a process that ``comm.grow()`` started, the grown communicator
+   (:func:`cupycomm.survivors.grow.join`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from . import _bootstrap, _env
 from .communicator import Communicator
 from .faults import abort, flight
 from .run import exit_records
-from .survivors import policy
+from .survivors import grow, policy
 
 __all__ = ["init"]
 
@@ -51,7 +53,9 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
             ``comm.shrink()`` and go on. None keeps what an earlier ``init()`` chose.
             "raise" needs Open MPI 5 started with ``mpiexec --with-ft ulfm --mca btl
             tcp,self``; elsewhere it is refused here (RuntimeError, on every rank). See
-            :mod:`cupycomm.survivors`.
+            :mod:`cupycomm.survivors`. In a process that ``comm.grow()`` started, "raise"
+            (None means it there) joins the survivors and returns the grown communicator,
+            with their name, timeout and debug mode (:func:`cupycomm.joined_late`).
 
     Example (2 ranks)::
 
@@ -71,14 +75,24 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
         if current is not None:
             return current
     timeout, debug = _settings(timeout, debug)
-    if on_peer_loss is not None:
-        policy.choose(on_peer_loss, MPI.Get_library_version())
-    _install_process_hooks(abort_on_exception)
-    parent = _parent(mpi_comm)
-    _bootstrap.check_launch(parent)   # N singletons where the launcher started N: an error
-    comm = Communicator.create(parent.Dup(), name="world" if mpi_comm is None else "mpi_comm",
-                               timeout=timeout, device=device, device_module=device_module,
-                               debug=debug)
+    joining = mpi_comm is None and grow.spawned_to_join()
+    if joining and on_peer_loss == "abort":   # said to the survivors too, who wait for it
+        grow.join(device, device_module, "this process was started by comm.grow() to join "
+                                         "ranks that go on after a lost peer; "
+                                         "on_peer_loss='abort' cannot be its mode (leave it "
+                                         "out, or pass 'raise')")
+    if on_peer_loss is not None or joining:
+        policy.choose(on_peer_loss or "raise", MPI.Get_library_version())
+    _install_process_hooks(abort_on_exception, joining)
+    if joining:   # the survivors wait in grow(): their plan, the merge
+        comm = grow.join(device, device_module)
+    else:
+        parent = _parent(mpi_comm)
+        _bootstrap.check_launch(parent)   # N singletons where the launcher started N: an error
+        comm = Communicator.create(parent.Dup(),
+                                   name="world" if mpi_comm is None else "mpi_comm",
+                                   timeout=timeout, device=device,
+                                   device_module=device_module, debug=debug)
     if mpi_comm is None:
         _default = comm
     return comm
@@ -114,9 +128,9 @@ def _settings(timeout: Optional[float], debug: Optional[bool]) -> Tuple[float, b
             _env.read("CUPYCOMM_DEBUG") if debug is None else debug)
 
 
-def _install_process_hooks(abort_on_exception: Optional[bool]) -> None:
+def _install_process_hooks(abort_on_exception: Optional[bool], joining: bool) -> None:
     if abort.abort_enabled(abort_on_exception):
-        abort.install_abort_handler()   # an exception on one rank ends the whole job
+        abort.install_abort_handler(joining)   # an exception on one rank ends the whole job
     exit_records.start()     # under python -m cupycomm.run: this rank's end will be known
     flight.install_signal()  # a signal dumps the flight recorder
 

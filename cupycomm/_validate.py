@@ -33,8 +33,9 @@ def arg_name(arg: Any) -> str:
 
 class Checks:
     """The checks of one communicator's ``rank`` of ``size``, as a part of it; they read the
-    facts of its state that they judge: ``closed`` (set by ``close()``; ``shrunk`` too where
-    ``shrink()`` closed it) and ``batch`` (the open ``batch()`` block, set by ``batch()``).
+    facts of its state that they judge: ``closed`` (set by ``close()``; ``shrunk`` too, the
+    name of the call, where ``shrink()`` or ``grow()`` replaced it) and ``batch`` (the open
+    ``batch()`` block, set by ``batch()``).
 
     Example::
 
@@ -47,7 +48,7 @@ class Checks:
         self.rank = rank
         self.size = size
         self.closed = False
-        self.shrunk = False
+        self.shrunk = ""   # "shrink" or "grow": the call that replaced it
         self.batch: Optional[Batch] = None
 
     # -- shapes -----------------------------------------------------------------------------------
@@ -131,9 +132,11 @@ class Checks:
     def check_open(self, name: str) -> None:
         if self.closed:
             if self.shrunk:
-                raise CommShrunkError(f"{name}: the communicator was shrunk after a peer was "
-                                      f"lost (rank {self.rank}); use the communicator "
-                                      f"shrink() returned")
+                why = ("shrunk after a peer was lost" if self.shrunk == "shrink"
+                       else "grown by new processes")
+                raise CommShrunkError(f"{name}: the communicator was {why} (rank "
+                                      f"{self.rank}); use the communicator {self.shrunk}() "
+                                      f"returned")
             raise CommClosedError(f"{name}: the communicator is closed (rank {self.rank}); "
                                   f"create a new one with cupycomm.init()")
 

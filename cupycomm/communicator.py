@@ -26,6 +26,7 @@ from .faults.watchdog import Tracker, unwatch
 from .batch import Batch, block
 from .backends.mpi import OP_NAMES, PreparedCalls
 from .objects import Objects
+from .survivors.grow import grow as _grow
 from .survivors.shrink import shrink as _shrink
 from .survivors.state import survival_for
 from .work import Work
@@ -489,6 +490,23 @@ class Communicator:
                                f"{self.rank})")
         with self.parts.tracker.inside("shrink"):
             return _shrink(self, survival)
+
+    def grow(self, n: int, *, command: Optional[Sequence[str]] = None) -> "Communicator":
+        """This communicator's ranks and ``n`` new processes (MPI's Spawn and Merge), ranks
+        in world-rank order: the newcomers take the lost world ranks, lowest first, then new
+        ones; collective over this communicator's ranks, whose ``cupycomm.init()`` in each new
+        process joins (:func:`cupycomm.joined_late` is True there). ``command``: the argv the
+        new processes run (default: this program again, ``sys.executable`` and
+        ``sys.argv``). This one, its subgroups and buckets refuse every call from then on
+        (:class:`~cupycomm.errors.CommShrunkError`). Needs ``init(on_peer_loss="raise")``.
+        See :mod:`cupycomm.survivors.grow`.
+
+        Example (4 ranks, world rank 1 killed)::
+
+            comm = comm.shrink()   # comm.world_ranks == (0, 2, 3)
+            comm = comm.grow(1)    # comm.world_ranks == (0, 1, 2, 3); rank 1 is new
+        """
+        return _grow(self, n, command)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

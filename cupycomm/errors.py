@@ -68,8 +68,9 @@ class PeerLost(NcclError):
 
 
 class CommShrunkError(CommClosedError):
-    """The communicator was replaced by ``comm.shrink()`` (it, its subgroups, its buckets and
-    its prepared calls refuse every call): use the communicator that ``shrink()`` returned."""
+    """The communicator was replaced by ``comm.shrink()`` or ``comm.grow()`` (it, its
+    subgroups, its buckets and its prepared calls refuse every call): use the communicator
+    that call returned."""
 
 
 class TooFewSurvivors(RuntimeError):

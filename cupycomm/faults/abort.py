@@ -42,9 +42,12 @@ def abort_enabled(requested: Optional[bool]) -> bool:
     return requested if requested is not None else _env.read("CUPYCOMM_ABORT_ON_EXCEPTION")
 
 
-def install_abort_handler() -> None:
-    """Abort the MPI job when an exception escapes on this rank (only if the world has peers)."""
-    if _bootstrap.world().Get_size() == 1 or getattr(sys.excepthook, "_cupycomm", False):
+def install_abort_handler(joined: bool = False) -> None:
+    """Abort the MPI job when an exception escapes on this rank (only if the world has peers,
+    or ``joined``: a process that ``comm.grow()`` started, whose world is only the processes
+    started with it; aborting it ends those, which the others then see lost)."""
+    if (_bootstrap.world().Get_size() == 1 and not joined) \
+            or getattr(sys.excepthook, "_cupycomm", False):
         return
     previous = sys.excepthook
 

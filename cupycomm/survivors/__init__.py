@@ -11,7 +11,11 @@ elsewhere ``init`` refuses (:mod:`.policy`).
 - :mod:`.policy`: the process's mode, and the refusal where the MPI cannot;
 - :mod:`.lost`: MPI's errors turned into PeerLost, where the host calls fail;
 - :mod:`.state`: one communicator's lost peers, the agreement, its shrunk MPI successor;
-- :mod:`.shrink`: ``comm.shrink()``, the old communicator (and its NCCL one) retired.
+- :mod:`.shrink`: ``comm.shrink()``, the old communicator (and its NCCL one) retired;
+- :mod:`.grow`: ``comm.grow(n)``, new processes in the lost ranks' places, and their
+  ``init()`` joining;
+- :mod:`.numbering`: the job's world ranks, kept across grow() (a newcomer's MPI world is
+  only the processes started with it).
 
 Example (4 ranks under ``mpiexec --with-ft ulfm --mca btl tcp,self``, one killed)::
 
@@ -20,6 +24,7 @@ Example (4 ranks under ``mpiexec --with-ft ulfm --mca btl tcp,self``, one killed
         comm.all_reduce(x)
     except cupycomm.PeerLost as lost:
         comm = comm.shrink()    # the 3 survivors; comm.world_ranks keeps the job's numbers
+        comm = comm.grow(1)     # optional: a new process takes world rank 1 again
 
 Nothing is imported here: :mod:`.policy` is read by tools that must not start MPI
 (``python -m cupycomm.run``).

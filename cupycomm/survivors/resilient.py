@@ -6,18 +6,22 @@ The pattern is Horovod elastic's (``hvd.elastic.run`` with a ``State`` that is c
 restored after a failure and synced from one worker) with torchft's per-step decision (every
 step either counts on every member or on none), on MPI's ULFM: ``agree`` decides, ``shrink``
 removes the lost ranks, a broadcast over the shrunk communicator makes the state the same
-everywhere. It needs ``init(on_peer_loss="raise")`` (Open MPI 5 under
-``mpiexec --with-ft ulfm``); see docs/guide/survivors.md.
+everywhere; with ``grow=True`` new processes then take the lost ranks' places
+(``comm.grow``) and enter the loop at that sync. It needs ``init(on_peer_loss="raise")``
+(Open MPI 5 under ``mpiexec --with-ft ulfm``); see docs/guide/survivors.md.
 """
 from __future__ import annotations
 
 import numbers
 from typing import Any, Callable, Optional, Set, Tuple
 
+import numpy as np
+
 from ..communicator import Communicator
 from ..errors import CommClosedError, PeerLost, TooFewSurvivors
 from . import policy
 from .committed import State
+from .numbering import joined_late
 
 __all__ = ["resilient"]
 
@@ -27,12 +31,14 @@ OnShrink = Callable[[Communicator, State, Tuple[int, ...]], Any]
 
 def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
               min_size: int = 1, max_failures: Optional[int] = None, commit_every: int = 1,
-              on_shrink: Optional[OnShrink] = None) -> Tuple[Communicator, State]:
+              on_shrink: Optional[OnShrink] = None, grow: bool = False
+              ) -> Tuple[Communicator, State]:
     """Run ``step(comm, state, i)`` for ``i`` from ``state.completed`` to ``steps - 1`` on
     every rank, going on without the ranks that are lost; returns the communicator of the
     ranks that finished (``comm`` itself if none was lost) and ``state``.
 
-    First ``state`` is made rank 0's on every rank (:meth:`State.sync`). Then, for each step,
+    First ``state`` is made rank 0's on every rank (:meth:`State.sync`; in a process that
+    ``comm.grow()`` started, the lowest survivor's: see ``grow``). Then, for each step,
     the ranks agree (``comm.agree``) whether every one of them finished it without
     :class:`~cupycomm.errors.PeerLost`; if so the step counts (``state.completed`` becomes
     ``i + 1``, and every ``commit_every`` steps and after the last one ``state`` is
@@ -40,8 +46,14 @@ def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
     committed state, makes it that of the lowest surviving rank (rank 0 of the shrunk
     communicator), calls ``on_shrink(comm, state, lost)`` with the new communicator and the
     ranks lost since the last step that counted (world numbering), and retries from step
-    ``state.completed``. The first sync, the restore and ``on_shrink`` end with an agreement
-    too: a loss during one of them shrinks again, on every survivor alike.
+    ``state.completed``. With ``grow``, the survivors then grow the communicator back to its
+    first size (``comm.grow``: new processes, this program again, in the lost world ranks)
+    and sync the state from the lowest survivor once more, which the new processes, having
+    called ``init()`` and then this function, take part in as their first sync: they enter
+    the loop at step ``state.completed`` with the survivors' state (so a new process must
+    reach this call without collectives on ``comm`` of its own). The first sync, the
+    restore, ``on_shrink`` and the sync after a grow end with an agreement too: a loss during
+    one of them shrinks again, on every survivor alike.
 
     A step must take its ranks and its share of the work from the ``comm`` it is given (it
     changes after a loss), change only ``state`` (or what is derived from it again after a
@@ -56,11 +68,14 @@ def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
             ``state.completed`` are not run again).
         min_size: the fewest ranks to go on with.
         max_failures: the most ranks that may be lost over the loop (None: as many as
-            ``min_size`` allows).
+            ``min_size`` allows); with ``grow``, missing at once (the lost are replaced).
         commit_every: commit every this many steps (a commit copies every array of
             ``state``; a loss then redoes up to ``commit_every - 1`` steps).
         on_shrink: called on every survivor after a loss, once the state is restored (to
-            rescale a learning rate, say); its collectives may use the new ``comm``.
+            rescale a learning rate, say); its collectives may use the new ``comm`` (the
+            survivors', before any grow).
+        grow: after each loss, bring the communicator back to its first size with new
+            processes (:meth:`~cupycomm.Communicator.grow`, the default command).
 
     Returns:
         ``(comm, state)``: the communicator that finished the loop and the final state.
@@ -82,10 +97,11 @@ def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
 
         comm, state = cupycomm.resilient(train_step, state, comm, steps=100, min_size=2)
     """
-    _check(step, state, comm, steps, min_size, max_failures, commit_every, on_shrink)
+    _check(step, state, comm, steps, min_size, max_failures, commit_every, on_shrink, grow)
     start = frozenset(comm.world_ranks)
-    if not _together(comm, state.sync, comm):
-        comm = _shrink(comm, state, start, min_size, max_failures, on_shrink)
+    go_on = (start, min_size, max_failures, on_shrink, grow)
+    if not _together(comm, _sync, comm, state, joined_late()):
+        comm = _shrink(comm, state, *go_on)
     while state.completed < steps:
         i = state.completed
         if _together(comm, step, comm, state, i):
@@ -93,7 +109,7 @@ def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
             if state.completed % commit_every == 0 or state.completed == steps:
                 state.commit()
         else:
-            comm = _shrink(comm, state, start, min_size, max_failures, on_shrink)
+            comm = _shrink(comm, state, *go_on)
     return comm, state
 
 
@@ -114,9 +130,11 @@ def _together(comm: Communicator, action: Callable[..., Any], *args: Any) -> boo
 
 
 def _shrink(comm: Communicator, state: State, start: frozenset, min_size: int,
-            max_failures: Optional[int], on_shrink: Optional[OnShrink]) -> Communicator:
-    """The survivors' communicator with the state restored and synced; again while ranks are
-    lost during it."""
+            max_failures: Optional[int], on_shrink: Optional[OnShrink],
+            grow: bool) -> Communicator:
+    """The survivors' communicator with the state restored and synced (grown back, with
+    ``grow``); again while ranks are lost during it."""
+    go_on = (start, min_size, max_failures, on_shrink, grow)
     lost: Set[int] = set()
     while True:
         before = comm.world_ranks
@@ -133,8 +151,19 @@ def _shrink(comm: Communicator, state: State, start: frozenset, min_size: int,
             f"{', '.join(map(str, gone))}), {comm.size} left: {limit}; the state is that of "
             f"step {state.completed} on every survivor", comm=comm, state=state, lost=tuple(gone))
     if on_shrink is not None and not _together(comm, on_shrink, comm, state, tuple(sorted(lost))):
-        return _shrink(comm, state, start, min_size, max_failures, on_shrink)
+        return _shrink(comm, state, *go_on)
+    if grow:   # the new processes' first sync (resilient's) is this one
+        comm = comm.grow(len(start) - comm.size)
+        if not _together(comm, _sync, comm, state, False):
+            return _shrink(comm, state, *go_on)
     return comm
+
+
+def _sync(comm: Communicator, state: State, new: bool) -> None:
+    """Make ``state`` that of the lowest rank that is not ``new`` (a process grow() started,
+    in its first sync) on every rank: rank 0 unless world rank 0 was lost and taken again."""
+    root = comm.all_reduce(np.array(comm.size if new else comm.rank), op="min")
+    state.sync(comm, int(root))
 
 
 def _restore(comm: Communicator, state: State) -> None:
@@ -143,7 +172,7 @@ def _restore(comm: Communicator, state: State) -> None:
 
 
 def _check(step: Any, state: Any, comm: Any, steps: Any, min_size: Any, max_failures: Any,
-           commit_every: Any, on_shrink: Any) -> None:
+           commit_every: Any, on_shrink: Any, grow: Any) -> None:
     """Every argument, on every rank alike, before any communication."""
     if not callable(step):
         raise TypeError(f"resilient: step must be callable as step(comm, state, i), "
@@ -156,6 +185,8 @@ def _check(step: Any, state: Any, comm: Any, steps: Any, min_size: Any, max_fail
                         f"{type(comm).__module__}.{type(comm).__name__}")
     if on_shrink is not None and not callable(on_shrink):
         raise TypeError(f"resilient: on_shrink must be callable or None, got {on_shrink!r}")
+    if not isinstance(grow, bool):
+        raise TypeError(f"resilient: grow must be True or False, got {grow!r}")
     for name, value, low in (("steps", steps, 0), ("min_size", min_size, 1),
                              ("commit_every", commit_every, 1),
                              ("max_failures", 0 if max_failures is None else max_failures, 0)):

@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from ..errors import PeerLost
 from ..run import exit_records
+from .numbering import keep
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -46,22 +47,24 @@ def shrink(comm: "Communicator", survival: "Survival") -> "Communicator":
                                  debug=comm.debug, device_rank=router.device_rank)
     if had_device:   # as the old one had: collective, a fresh unique id over ``successor``
         shrunk.init_device()
+    keep(shrunk)   # after a grow: see numbering.keep
     return shrunk
 
 
-def retire(comm: "Communicator", survival: "Survival") -> None:
-    """Close ``comm`` and its subgroups for good, their NCCL communicators aborted."""
+def retire(comm: "Communicator", survival: "Survival", by: str = "shrink") -> None:
+    """Close ``comm`` and its subgroups for good, their NCCL communicators aborted; ``by``:
+    the call that replaced it ("shrink" or "grow"), which its refusals name."""
     for child in survival.children():
         child_survival = child.parts.survival
         if child_survival is not None:
-            retire(child, child_survival)
+            retire(child, child_survival, by)
     survival.discard()
     survival.revoke()
     parts = comm.parts
-    parts.checks.shrunk = True   # every later call: CommShrunkError
+    parts.checks.shrunk = by   # every later call: CommShrunkError
     device = parts.router.device
     if device is not None:   # aborted, never destroyed (see the module)
-        device.abort("the communicator was shrunk after a peer was lost", survival.lost or ())
+        device.abort(f"the communicator was replaced by {by}()", survival.lost or ())
     try:
         comm.close()
     except (PeerLost, MPI.Exception):

@@ -21,12 +21,12 @@ from typing import Any, List, Optional, Tuple
 
 from mpi4py import MPI
 
-from .._bootstrap import world
 from ..errors import PeerLost
 from . import policy
 from .lost import FAILURES, enlist, failed_in
+from .numbering import keep, note_lost, world_ranks
 
-__all__ = ["Survival", "survival_for", "world_ranks"]
+__all__ = ["Survival", "survival_for"]
 
 
 def survival_for(mpi_comm: MPI.Comm, tracker: Any, router: Any) -> Optional["Survival"]:
@@ -38,17 +38,6 @@ def survival_for(mpi_comm: MPI.Comm, tracker: Any, router: Any) -> Optional["Sur
     survival = Survival(mpi_comm, router, tracker.world_ranks)
     enlist(tracker, survival)
     return survival
-
-
-def world_ranks(mpi_comm: MPI.Comm) -> Tuple[int, ...]:
-    """The world rank of each rank of ``mpi_comm``, in its order."""
-    group, world_group = mpi_comm.Get_group(), world().Get_group()
-    try:
-        return tuple(MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                               world_group))
-    finally:
-        group.Free()
-        world_group.Free()
 
 
 class Survival:
@@ -66,6 +55,7 @@ class Survival:
     def adopt(self, child: Any) -> None:
         """``child``, a communicator split from this one, is retired with it by shrink()."""
         self._children.add(child)
+        keep(child)
 
     def children(self) -> List[Any]:
         """The open communicators split from this one."""
@@ -129,6 +119,7 @@ class Survival:
         lost ranks; cupycomm/testing/standin.py rule 21)."""
         kept = set(world_ranks(successor))
         self.lost = tuple(r for r in self.world_ranks if r not in kept)
+        note_lost(self.lost)
         device = self._router.device
         if device is not None:
             device.abort(f"world rank(s) {list(self.lost)} lost", self.lost)

@@ -1106,6 +1106,16 @@ def _receive_any(tag: int) -> Any:
             _WORLD.Ack_failed()
 
 
+def join_world(mpi_comm: MPI.Intracomm) -> None:
+    """Meet over a duplicate of ``mpi_comm`` from now on (collective over it). A communicator
+    that ``comm.grow()`` made holds processes that MPI started later, in a world of their
+    own, which the world the stand-in meets over does not reach; real NCCL needs no such
+    call: its members meet over the sockets that the unique id names, which no MPI world
+    limits."""
+    global _WORLD
+    _WORLD = mpi_comm.Dup()
+
+
 class NcclCommunicator:
     """cupy.cuda.nccl.NcclCommunicator over MPI on host memory (see the module docstring)."""
 

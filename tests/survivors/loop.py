@@ -2,13 +2,15 @@
 Open MPI's ULFM (``python -m cupycomm.run --survivors -n 4 loop.py ...``).
 
     python loop.py --steps 8 --kill 3@2 --kill 1@5 [--min-size N] [--max-failures N]
-                   [--commit-every K] [--device]
+                   [--commit-every K] [--device] [--grow]
 
 Each step adds the sum over the ranks of ones (the communicator's size) to a committed
 total (with ``--device``, also to one on the device, the NCCL stand-in, whose communicator
 the shrink replaces and over which the state is synced). ``--kill R@S`` makes world rank R
 kill itself (SIGKILL) first thing in step S, so the survivors go back to the last commit
-and run the steps from there on one rank fewer. Rank 0 of those that finish prints the
+and run the steps from there on one rank fewer (with ``--grow``, on as many: a new process,
+this program again, takes the lost rank's place and enters the loop at the state's sync;
+it prints its world rank and total at the end). Rank 0 of those that finish prints the
 total and the one expected from the kills; on TooFewSurvivors every survivor prints what it
 caught.
 """
@@ -22,15 +24,16 @@ import cupycomm
 from cupycomm.testing import standin
 
 
-def counted_sizes(size, kill_steps, steps, commit_every):
+def counted_sizes(size, kill_steps, steps, commit_every, grow=False):
     """The communicator's size in each step that counted: a kill at step s rewinds the loop
-    to its last commit, and the steps from there are run again on one rank fewer."""
+    to its last commit, and the steps from there are run again on one rank fewer (as many,
+    with ``grow``)."""
     sizes, committed, i, pending = {}, 0, 0, sorted(kill_steps)
     while i < steps:
         if pending and pending[0] == i:
             while pending and pending[0] == i:
                 pending.pop(0)
-                size -= 1
+                size -= 0 if grow else 1
             i = committed
             continue
         sizes[i] = size
@@ -48,6 +51,7 @@ def main():
     parser.add_argument("--max-failures", type=int, default=None)
     parser.add_argument("--device", action="store_true")
     parser.add_argument("--commit-every", type=int, default=1)
+    parser.add_argument("--grow", action="store_true")
     args = parser.parse_args()
     kills = [tuple(map(int, k.split("@"))) for k in args.kill]   # (rank, step)
     comm = cupycomm.init(on_peer_loss="raise", device_module=standin if args.device else None)
@@ -58,7 +62,7 @@ def main():
     shrinks = []
 
     def step(comm, state, i):
-        if (me, i) in kills:
+        if (me, i) in kills and not cupycomm.joined_late():   # a newcomer took its place
             os.kill(os.getpid(), signal.SIGKILL)
         state.total += comm.all_reduce(np.ones(1))   # a loss is seen here, by MPI
         if args.device:
@@ -71,12 +75,15 @@ def main():
         comm, state = cupycomm.resilient(step, cupycomm.State(**values), comm,
                                          steps=args.steps, min_size=args.min_size,
                                          max_failures=args.max_failures, on_shrink=on_shrink,
-                                         commit_every=args.commit_every)
+                                         commit_every=args.commit_every, grow=args.grow)
     except cupycomm.TooFewSurvivors as stop:
         print(f"world rank {me} stopped: lost {stop.lost}, {stop.comm.size} left, state of "
               f"step {stop.state.completed}, total {stop.state.total[0]:g}: {stop}", flush=True)
         return
-    sizes = counted_sizes(size, [s for _, s in kills], args.steps, args.commit_every)
+    sizes = counted_sizes(size, [s for _, s in kills], args.steps, args.commit_every, args.grow)
+    if cupycomm.joined_late():
+        print(f"world rank {comm.world_ranks[comm.rank]} joined late and finished: total "
+              f"{state.total[0]:g}, expected {sum(sizes)}", flush=True)
     if args.device:
         assert float(standin.asnumpy(state.on_device)[0]) == sum(sizes), state.on_device
     if comm.rank == 0:

@@ -21,7 +21,13 @@ bucket) does then; it writes what it saw, one JSON object per round, to
   shrunk one is made from a new unique id, of the survivors only;
 - ``device-blocked``: as ``device``, but only device calls see the loss: the survivors'
   device all_reduce waits for the dead peer (stand-in rule 22), the watchdog aborts the
-  NCCL communicator, which ends the wait, and their next device call raises PeerLost.
+  NCCL communicator, which ends the wait, and their next device call raises PeerLost;
+- ``grow``, ``grow-device`` (device arrays on the stand-in): as ``sigkill``, then the
+  survivors try grow() with bad arguments, a grow() whose new process refuses to join
+  (``init(on_peer_loss="abort")``), and ``grow(1)``: a new process, started as this
+  program again (its ``init()`` joins), takes world rank 1; every rank of the grown
+  communicator, the newcomer too, runs an all_reduce of host and stand-in device arrays
+  and writes ``DIR/grown-<world rank>.json``.
 
 A victim never ends by raising: under ULFM its MPI_Finalize would wait for ever (mpi4py's
 own ULFM tests kill instead).
@@ -40,8 +46,10 @@ import cupycomm
 
 
 def progress(directory: str, what: str) -> None:
-    """Append ``what`` to ``DIR/progress-<world rank>``: where a hung job's ranks got to."""
-    with open(os.path.join(directory, f"progress-{MPI.COMM_WORLD.Get_rank()}"), "a") as f:
+    """Append ``what`` to ``DIR/progress-<world rank>`` (``progress-new`` in a process that
+    grow() started): where a hung job's ranks got to."""
+    who = "new" if "CUPYCOMM_JOIN" in os.environ else MPI.COMM_WORLD.Get_rank()
+    with open(os.path.join(directory, f"progress-{who}"), "a") as f:
         f.write(f"{time.time():.3f} {what}\n")
 
 
@@ -121,6 +129,62 @@ def survive(comm, case, directory, victim, xp):
     return shrunk, seen
 
 
+def grow(comm, directory, xp):
+    """After the shrink: the refusals of bad arguments, then grow(1) (this program again,
+    whose main() joins) and an all_reduce on the grown communicator, host and device."""
+    refused = {}
+    for name, call in {"n=0": lambda: comm.grow(0), "n=-1": lambda: comm.grow(-1),
+                       "n=1.0": lambda: comm.grow(1.0), "n=True": lambda: comm.grow(True),
+                       "command=str": lambda: comm.grow(1, command=sys.executable)}.items():
+        try:
+            call()
+            refused[name] = None
+        except (TypeError, ValueError) as error:
+            refused[name] = f"{type(error).__name__}: {error}"
+    abort_mode = [sys.executable, "-c", "import cupycomm; cupycomm.init(on_peer_loss='abort')"]
+    try:   # a new process that refuses to join: every survivor raises, comm stays usable
+        comm.grow(1, command=abort_mode)
+        refused["newcomer"] = None
+    except RuntimeError as error:
+        refused["newcomer"] = f"{type(error).__name__}: {error}"
+    comm.all_reduce(np.ones(2))   # still usable after the refusals
+    progress(directory, "growing")
+    grown = comm.grow(1)
+    progress(directory, "grown")
+    after = {}
+    for name, call in {"all_reduce": lambda: comm.all_reduce(np.ones(2)),
+                       "grow": lambda: comm.grow(1)}.items():
+        try:
+            call()
+            after[name] = None
+        except cupycomm.CommShrunkError as error:
+            after[name] = f"{type(error).__name__}: {error}"
+    return grown, {"refused": refused, "after": after}
+
+
+def grown_round(comm, directory, xp, seen):
+    """Every rank of the grown communicator, the newcomer too: the all_reduce (host, then
+    device on the stand-in), what it sees; written to DIR/grown-<world rank>.json."""
+    me = comm.world_ranks[comm.rank]
+    y = comm.all_reduce(np.full(4, me + 1.0))
+    good = time.time()
+    if xp is not np:
+        from cupycomm.testing import standin
+        standin.join_world(comm.mpi_comm)   # real NCCL meets over sockets, not MPI's world
+        device = comm.all_reduce(xp.asarray(np.full(3, me + 1.0)))
+        nccl = comm.parts.router.device._comm
+        seen["device"] = {"result": xp.asnumpy(device).tolist(), "size": nccl.size(),
+                          "rank": nccl.rank_id(), "id": nccl.unique_id.hex()}
+    with open(os.path.join(directory, "fault-1")) as f:
+        seen["fault_to_good"] = good - float(f.read())
+    seen.update(world_ranks=list(comm.world_ranks), rank=comm.rank, size=comm.size,
+                joined_late=cupycomm.joined_late(), result=y.tolist(), name=comm.name,
+                failed_ranks=comm.failed_ranks(), agree=comm.agree(True))
+    with open(os.path.join(directory, f"grown-{me}.json"), "w") as f:
+        json.dump(seen, f)
+    progress(directory, "grown round written")
+
+
 def _world_ranks(mpi_comm):
     group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
     return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
@@ -129,11 +193,16 @@ def _world_ranks(mpi_comm):
 def main(case: str, directory: str) -> None:
     options = {}
     xp = np
-    if case.startswith("device"):
+    if case.startswith("device") or case == "grow-device":
         from cupycomm.testing import standin
         options["device_module"] = xp = standin
     progress(directory, "started")
     comm = cupycomm.init(on_peer_loss="raise", timeout=60, **options)
+    if cupycomm.joined_late():   # started by the survivors' grow(1): world rank 1 again
+        progress(directory, f"joined as world rank {comm.world_ranks[comm.rank]}")
+        grown_round(comm, directory, xp, {})
+        comm.close()
+        return
     comm.all_reduce(xp.asarray(np.ones(2)))   # on the device too: the NCCL communicator
     if case == "no-shrink":   # the survivors end after PeerLost, without going on
         if comm.rank == 1:
@@ -147,6 +216,9 @@ def main(case: str, directory: str) -> None:
     for victim in ((3, 1) if case == "two" else (1,)):
         comm, seen = survive(comm, case, directory, victim, xp)
         rounds.append(seen)
+    if case.startswith("grow"):
+        comm, seen = grow(comm, directory, xp)
+        grown_round(comm, directory, xp, seen)
     with open(os.path.join(directory, f"rank-{MPI.COMM_WORLD.Get_rank()}.json"), "w") as f:
         json.dump(rounds, f)
     comm.close()

@@ -46,6 +46,21 @@ def went_on_without(job, lost):
 
 
 @needs_ulfm
+def test_with_grow_a_new_process_takes_the_lost_rank_s_place_and_the_loop_goes_on():
+    """World rank 1 killed at step 3 of 8: the survivors shrink, restore, grow back to 4 (a
+    new process, loop.py again, takes world rank 1) and sync; the newcomer enters the loop
+    at step 3 with the survivors' state, and every step counted on 4 ranks."""
+    job = ulfm_job(4, LOOP, "--steps", "8", "--kill", "1@3", "--grow")
+    found = re.search(r"finished on (\d) ranks \((.*)\): total (\d+), expected (\d+); "
+                      r"shrinks \[\(\(1,\), 3, 3\)\]", job.stdout)
+    assert found, job.output
+    assert found[1] == "4" and found[2] == "0, 1, 2, 3", job.output
+    assert found[3] == found[4] == "32", job.output
+    assert "world rank 1 joined late and finished: total 32, expected 32" in job.stdout, \
+        job.output
+
+
+@needs_ulfm
 @pytest.mark.parametrize("kills, size_left, options", [
     (["3@2"], 3, []), (["0@0"], 3, []), (["3@2", "1@5"], 2, []), (["1@3", "2@3"], 2, []),
     (["3@2", "1@5"], 2, ["--device"]), (["2@5"], 3, ["--commit-every", "3"])],

@@ -8,14 +8,17 @@ These tests start jobs of their own: they run in the single-process pass (mpiexe
 nest inside an mpiexec run) and skip under mpiexec on every rank.
 """
 import json
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+import cupycomm
 from cupycomm.run import launchers
-from cupycomm.survivors import policy
+from cupycomm.survivors import grow, policy
 from cupycomm.run import job as run
 from cupycomm.testing import run_job, run_mpiexec
 
@@ -147,6 +150,99 @@ def test_a_device_collective_that_a_dead_peer_blocks_goes_the_gpus_way(tmp_path)
         in job.output, job.output
     assert "world rank 0: round 2: PeerLost(ranks=(1,), call='all_reduce', seq=3); shrunk " \
         "to 1 rank(s) (0,); device all_reduce ok" in job.output, job.output
+
+
+@needs_ulfm
+def test_grow_puts_a_new_process_in_the_lost_rank_s_place(tmp_path):
+    """World rank 1 of 4 killed, shrink to (0, 2, 3), then grow(1): a new process (the same
+    program, whose init() joins) takes world rank 1; on every rank of the grown
+    communicator, the newcomer too, world_ranks (0, 1, 2, 3) and the all_reduce of host and
+    stand-in device arrays are right, the NCCL communicator one of all 4 from a new unique
+    id; bad arguments, and a new process that refused to join (init(on_peer_loss="abort")),
+    were refused first on every survivor, and the shrunk communicator refuses every call
+    after the grow."""
+    job = run_case("grow-device", tmp_path)
+    found = records(tmp_path, (0, 2, 3), job)
+    check_round({rank: rounds[0] for rank, rounds in found.items()}, 1, [0, 2, 3], job)
+    grown = {}
+    for rank in range(4):
+        path = tmp_path / f"grown-{rank}.json"
+        assert path.exists(), f"world rank {rank} wrote nothing after grow:\n{job.output}"
+        grown[rank] = json.loads(path.read_text())
+    host = np.sum([np.full(4, r + 1.0) for r in range(4)], axis=0)
+    device = np.sum([np.full(3, r + 1.0) for r in range(4)], axis=0)
+    for rank, g in grown.items():
+        assert g["world_ranks"] == [0, 1, 2, 3] and g["rank"] == rank and g["size"] == 4, g
+        assert g["joined_late"] is (rank == 1), (rank, g)
+        assert g["failed_ranks"] == [] and g["agree"] is True, (rank, g)
+        np.testing.assert_array_equal(g["result"], host)
+        np.testing.assert_array_equal(g["device"]["result"], device)
+        assert g["device"]["size"] == 4 and g["device"]["rank"] == rank, (rank, g)
+        assert g["fault_to_good"] < BOUND, (rank, g)
+    assert len({g["device"]["id"] for g in grown.values()}) == 1, grown
+    assert grown[0]["device"]["id"] != found[0][0]["device"]["new_id"], (grown, found)
+    assert len({g["name"] for g in grown.values()}) == 1, grown
+    for rank in (0, 2, 3):
+        me = [0, 2, 3].index(rank)
+        assert grown[rank]["refused"] == {
+            "n=0": f"ValueError: grow: n must be >= 1, got 0 on rank {me}",
+            "n=-1": f"ValueError: grow: n must be >= 1, got -1 on rank {me}",
+            "n=1.0": f"TypeError: grow: n must be an int (how many processes to start), got "
+                     f"1.0 on rank {me}",
+            "n=True": f"TypeError: grow: n must be an int (how many processes to start), got "
+                      f"True on rank {me}",
+            "command=str": f"TypeError: grow: command must be a non-empty list of str (the "
+                           f"program and its arguments), got {sys.executable!r} on rank {me}",
+            "newcomer": f"RuntimeError: grow: the new process(es) running "
+                        f"\"{sys.executable} -c import cupycomm; cupycomm.init(on_peer_loss="
+                        f"'abort')\" did not join: this process was started by comm.grow() to "
+                        f"join ranks that go on after a lost peer; on_peer_loss='abort' cannot "
+                        f"be its mode (leave it out, or pass 'raise') (rank {me})"}
+        for call, refusal in grown[rank]["after"].items():
+            assert refusal == (f"CommShrunkError: {call}: the communicator was grown by new "
+                               f"processes (rank {me}); use the communicator grow() "
+                               f"returned"), (rank, call, refusal)
+
+
+def test_grow_is_refused_where_a_loss_ends_the_job():
+    """The default mode (on_peer_loss="abort"), on any MPI: refused before any
+    communication, naming what is needed; the communicator stays usable."""
+    with cupycomm.init(MPI.COMM_WORLD) as comm:
+        with pytest.raises(RuntimeError, match=r"^grow: this communicator ends the job when a "
+                                               r"peer is lost; grow\(\) needs cupycomm.init\("
+                                               r"on_peer_loss='raise'\) \(rank 0\)$"):
+            comm.grow(1)
+        np.testing.assert_array_equal(comm.all_reduce(np.ones(2)), np.ones(2))
+
+
+@pytest.mark.parametrize("n, command, error, says", [
+    (0, None, ValueError, "grow: n must be >= 1, got 0 on rank 2"),
+    (1.0, None, TypeError, "grow: n must be an int (how many processes to start), got 1.0 "
+                           "on rank 2"),
+    (True, None, TypeError, "grow: n must be an int (how many processes to start), got True "
+                            "on rank 2"),
+    ("1", None, TypeError, "grow: n must be an int (how many processes to start), got '1' "
+                           "on rank 2"),
+    (1, "python", TypeError, "grow: command must be a non-empty list of str (the program and "
+                             "its arguments), got 'python' on rank 2"),
+    (1, [], TypeError, "grow: command must be a non-empty list of str (the program and its "
+                       "arguments), got [] on rank 2"),
+    (1, ["python", 3], TypeError, "grow: command must be a non-empty list of str (the "
+                                  "program and its arguments), got ['python', 3] on rank 2"),
+], ids=["n=0", "n=1.0", "n=True", "n=str", "command=str", "command=[]", "command-not-str"])
+def test_a_bad_grow_is_named(n, command, error, says):
+    with pytest.raises(error, match="^" + re.escape(says) + "$"):
+        grow._command(2, n, command)
+
+
+def test_grow_starts_this_program_again_unless_told(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "--epochs", "3"])
+    assert grow._command(0, 1, None) == [sys.executable, "train.py", "--epochs", "3"]
+    assert grow._command(0, 1, ("worker", "-x")) == ["worker", "-x"]
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    with pytest.raises(ValueError, match=r"grow: this program was not started from a file "
+                                         r"\(sys.argv \['-c'\]\): pass command=\[...\]"):
+        grow._command(0, 1, None)
 
 
 @needs_ulfm

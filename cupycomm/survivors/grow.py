@@ -1,0 +1,153 @@
+"""``comm.grow(n)``: ``n`` new processes join the survivors and take the lost ranks' places.
+
+The survivors (collective over ``comm``) start ``n`` processes with MPI's ``Spawn`` (by
+default this program again: ``sys.executable`` and ``sys.argv``), send them the world ranks
+they take (the lost ones, lowest first:
+:func:`~cupycomm.survivors.numbering.places`) and merge with them (``Intercomm.Merge``);
+the merged communicator is split once more, keyed by world rank, so that its ranks are in
+world-rank order again: after world rank 1 of 4 was lost and ``shrink()`` gave
+``(0, 2, 3)``, ``grow(1)`` gives ``(0, 1, 2, 3)``, the newcomer rank 1. A started
+process's ``cupycomm.init()`` finds that it was started so (MPI's ``Get_parent`` and the
+``CUPYCOMM_JOIN`` variable that the spawn sets) and joins (:func:`join`), returning the
+grown communicator; :func:`~cupycomm.survivors.numbering.joined_late` tells the program.
+The old communicator is retired as after ``shrink()`` (``shrink.retire``: every call
+refused with :class:`~cupycomm.errors.CommShrunkError`). The grown communicator makes its NCCL
+communicator on its first device collective (or ``init_device()``), from a fresh unique id
+broadcast over the grown MPI communicator, as ``init()``'s does.
+
+Open MPI counts the slot of a lost rank as taken: the spawn asks to oversubscribe
+(``map_by :OVERSUBSCRIBE``, ``bind_to none``), so the job need not be started with
+``--oversubscribe``.
+
+Example (4 ranks, world rank 1 killed)::
+
+    comm = comm.shrink()     # comm.world_ranks == (0, 2, 3)
+    comm = comm.grow(1)      # comm.world_ranks == (0, 1, 2, 3); rank 1 is a new process,
+                             # whose cupycomm.init(on_peer_loss="raise") returned the same
+"""
+from __future__ import annotations
+
+import numbers
+import sys
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, cast
+
+from mpi4py import MPI
+
+from .. import _env
+from . import numbering
+from .lost import peer_lost
+from .shrink import retire
+
+if TYPE_CHECKING:
+    from ..communicator import Communicator
+
+__all__ = ["grow", "join", "spawned_to_join"]
+
+#: The spawn's info: Open MPI's keys (an MPI ignores keys it does not know).
+_INFO = {"map_by": ":OVERSUBSCRIBE", "bind_to": "none", "PMIX_ENVAR": "CUPYCOMM_JOIN=1"}
+
+
+def grow(comm: "Communicator", n: int, command: Optional[Sequence[str]] = None
+         ) -> "Communicator":
+    """The communicator of ``comm``'s ranks and ``n`` new processes running ``command``
+    (default: this program again), ranks in world-rank order; see the module. Collective over
+    ``comm``'s ranks; the new processes join in their ``cupycomm.init()``."""
+    from ..communicator import Communicator
+    comm.parts.checks.check_open("grow")
+    survival = comm.parts.survival
+    if survival is None:
+        raise RuntimeError(f"grow: this communicator ends the job when a peer is lost; grow() "
+                           f"needs cupycomm.init(on_peer_loss='raise') (rank {comm.rank})")
+    argv = _command(comm.rank, n, command)
+    tracker = comm.parts.tracker
+    with tracker.inside("grow"):
+        mpi = cast(MPI.Intracomm, comm.mpi_comm)
+        try:
+            plan = mpi.bcast(_plan(comm, n) if comm.rank == 0 else None, root=0)
+            spawned = mpi.Spawn(argv[0], argv[1:], maxprocs=n, root=0,
+                                info=MPI.Info.Create(items=_INFO))
+        except MPI.Exception as error:
+            peer_lost(error, tracker, "grow", tracker.seq)   # a survivor lost meanwhile
+            raise RuntimeError(f"grow: MPI could not start {n} process(es) running "
+                               f"{' '.join(argv)!r}: {error} (rank {comm.rank})") from error
+        spawned.bcast(plan, root=MPI.ROOT if comm.rank == 0 else MPI.PROC_NULL)
+        refusal = spawned.bcast(None, root=0)   # the first new process's answer
+        if refusal is not None:
+            spawned.Disconnect()
+            raise RuntimeError(f"grow: the new process(es) running {' '.join(argv)!r} did "
+                               f"not join: {refusal} (rank {comm.rank})")
+        grown = _merge(spawned, plan, comm.world_ranks[comm.rank], high=False)
+    retire(comm, survival, "grow")
+    made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
+                               device=comm.parts.router.device_choice,
+                               device_module=comm.parts.router.cupy, debug=plan["debug"],
+                               device_rank=comm.parts.router.device_rank)
+    numbering.keep(made)
+    return made
+
+
+def spawned_to_join() -> bool:
+    """Whether this process was started by ``comm.grow()`` (MPI's parent, and the variable
+    the spawn set): its ``init()`` must join the survivors."""
+    return _env.read("CUPYCOMM_JOIN") and MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def join(device: Optional[int], device_module: Any, refusal: Optional[str] = None
+         ) -> "Communicator":
+    """The grown communicator, in a process that ``comm.grow()`` started (``init()`` calls
+    it): the survivors' plan, the answer, the merge, the split in world-rank order.
+    ``device`` and ``device_module`` are this process's; the name, timeout and debug mode the
+    survivors'. With a ``refusal`` (why this process cannot join), the survivors' grow()
+    raises it, and so does this call, on every side alike."""
+    from ..communicator import Communicator
+    parent = MPI.Comm.Get_parent()
+    plan = parent.bcast(None, root=0)
+    parent.bcast(refusal, root=MPI.ROOT if parent.Get_rank() == 0 else MPI.PROC_NULL)
+    if refusal is not None:
+        parent.Disconnect()
+        raise RuntimeError(f"init: {refusal}")
+    grown = _merge(parent, plan, plan["ranks"][parent.Get_rank()], high=True)
+    made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
+                               device=device, device_module=device_module, debug=plan["debug"])
+    numbering.keep(made)
+    return made
+
+
+def _plan(comm: "Communicator", n: int) -> Dict[str, Any]:
+    """What every rank (survivor and newcomer) follows: rank 0's numbering and settings."""
+    return {"ranks": numbering.places(comm.world_ranks, n), "job": numbering.job(),
+            "name": f"{comm.name}-grown", "timeout": comm.timeout, "debug": comm.debug,
+            "members": comm.world_ranks}
+
+
+def _merge(intercomm: MPI.Intercomm, plan: Dict[str, Any], me: int, high: bool) -> MPI.Comm:
+    """The survivors (low) and the newcomers (high) of ``intercomm`` in one communicator,
+    ordered by world rank (``me``, this process's); numbered from now on by it."""
+    merged = intercomm.Merge(high=high)
+    grown = merged.Split(0, me)
+    merged.Free()
+    intercomm.Disconnect()
+    grown.Set_errhandler(MPI.ERRORS_RETURN)
+    numbering.adopt(grown, sorted((*plan["members"], *plan["ranks"])), plan["job"], high)
+    return grown
+
+
+def _command(rank: int, n: Any, command: Any) -> List[str]:
+    """The argv to start (``command``, else this program again); TypeError or ValueError
+    for a bad ``n`` or ``command``, on every rank alike, before any communication."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"grow: n must be an int (how many processes to start), got {n!r} "
+                        f"on rank {rank}")
+    if n < 1:
+        raise ValueError(f"grow: n must be >= 1, got {n} on rank {rank}")
+    if command is None:
+        if not sys.argv or sys.argv[0] in ("", "-c"):
+            raise ValueError(f"grow: this program was not started from a file (sys.argv "
+                             f"{sys.argv!r}): pass command=[...] to say what the new processes "
+                             f"run (rank {rank})")
+        return [sys.executable, *sys.argv]
+    if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command \
+            or not all(isinstance(word, str) for word in command):
+        raise TypeError(f"grow: command must be a non-empty list of str (the program and its "
+                        f"arguments), got {command!r} on rank {rank}")
+    return list(command)
