@@ -482,14 +482,7 @@ class Communicator:
             except cupycomm.PeerLost:
                 comm = comm.shrink()   # comm.size == 3, comm.world_ranks == (0, 2, 3)
         """
-        self._checks.check_open("shrink")
-        survival = self.parts.survival
-        if survival is None:
-            raise RuntimeError(f"shrink: this communicator ends the job when a peer is lost; "
-                               f"shrink() needs cupycomm.init(on_peer_loss='raise') (rank "
-                               f"{self.rank})")
-        with self.parts.tracker.inside("shrink"):
-            return _shrink(self, survival)
+        return _shrink(self)
 
     def grow(self, n: int, *, command: Optional[Sequence[str]] = None) -> "Communicator":
         """This communicator's ranks and ``n`` new processes (MPI's Spawn and Merge), ranks

@@ -37,6 +37,7 @@ from .. import _env
 from . import numbering
 from .lost import peer_lost
 from .shrink import retire
+from .state import survival_of
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -53,11 +54,7 @@ def grow(comm: "Communicator", n: int, command: Optional[Sequence[str]] = None
     (default: this program again), ranks in world-rank order; see the module. Collective over
     ``comm``'s ranks; the new processes join in their ``cupycomm.init()``."""
     from ..communicator import Communicator
-    comm.parts.checks.check_open("grow")
-    survival = comm.parts.survival
-    if survival is None:
-        raise RuntimeError(f"grow: this communicator ends the job when a peer is lost; grow() "
-                           f"needs cupycomm.init(on_peer_loss='raise') (rank {comm.rank})")
+    survival = survival_of(comm, "grow")
     argv = _command(comm.rank, n, command)
     tracker = comm.parts.tracker
     with tracker.inside("grow"):

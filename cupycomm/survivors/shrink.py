@@ -25,17 +25,23 @@ from mpi4py import MPI
 from ..errors import PeerLost
 from ..run import exit_records
 from .numbering import keep
+from .state import Survival, survival_of
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
-    from .state import Survival
 
 __all__ = ["shrink"]
 
 
-def shrink(comm: "Communicator", survival: "Survival") -> "Communicator":
-    """The survivors' communicator replacing ``comm`` (whose state is ``survival``); see the
-    module. Collective over the survivors."""
+def shrink(comm: "Communicator") -> "Communicator":
+    """The survivors' communicator replacing ``comm``; see the module. Collective over the
+    survivors."""
+    survival = survival_of(comm, "shrink")
+    with comm.parts.tracker.inside("shrink"):
+        return _successor(comm, survival)
+
+
+def _successor(comm: "Communicator", survival: "Survival") -> "Communicator":
     from ..communicator import Communicator
     router = comm.parts.router
     had_device = router.device is not None
