@@ -292,13 +292,14 @@ def test_the_raise_mode_is_refused_where_the_mpi_cannot_survive_a_loss(tmp_path)
     the MPI and what is needed, and no rank is left waiting."""
     program = tmp_path / "refused.py"
     program.write_text(
-        "import cupycomm\n"
+        "import sys, cupycomm\n"   # one write a line: the two ranks' lines never interleave
         "try:\n"
         "    cupycomm.init(on_peer_loss='raise')\n"
         "except RuntimeError as error:\n"
-        "    print('refused:', error, flush=True)\n"
+        "    sys.stdout.write(f'refused: {error}\\n')\n"
         "comm = cupycomm.init()\n"
-        "print('rank', comm.rank, 'abort mode', comm.agree(True), comm.failed_ranks())\n")
+        "sys.stdout.write(f'rank {comm.rank} abort mode {comm.agree(True)} "
+        "{comm.failed_ranks()}\\n')\n")
     job = run_mpiexec(2, str(program), timeout=60)
     assert job.returncode == 0 and not job.timed_out, job.output
     assert job.output.count("refused: init: on_peer_loss='raise' needs MPI's fault "
