@@ -135,10 +135,12 @@ def main() -> None:
         _table(_rows(x, out), comms, args.number, args.rounds)
         device_rows, device_comms = _device_rows(versions)
         _table(device_rows, device_comms, args.number, args.rounds)
-        for comm in device_comms.values():
-            comm.parts.router.device = None   # its CUDA objects are no-ops: nothing to free
-        for comm in (*comms.values(), *device_comms.values()):
+        for comm in comms.values():
             comm.close()
+        for comm in device_comms.values():
+            if hasattr(comm, "parts"):   # a tree before issue 25's façade: left to its exit
+                comm.parts.router.device = None   # its CUDA objects are no-ops: nothing to free
+                comm.close()
 
 
 if __name__ == "__main__":
