@@ -28,6 +28,11 @@ _shared_comm: dict = {}   # (test module name, library name) -> communicator
 _AGREE = MPI.COMM_WORLD.Dup()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch: runs on torch tensors (a `lib` parameter); "
+                                       "skipped where torch is not installed")
+
+
 def pytest_sessionfinish(session):
     if _RECORDER is not None:
         _RECORDER.write(_SHAPES_DIRECTORY)
