@@ -19,9 +19,9 @@ _SHAPES_DIRECTORY = os.environ.get(shapes.ENVIRONMENT_VARIABLE)
 _RECORDER = shapes.install(standin) if _SHAPES_DIRECTORY else None
 
 # On a real GPU each NCCL communicator costs its creation (on one GPU shared by 4 ranks, most of
-# benchmarks/gpu_validate's time); a module of thousands of tests that set SHARED_COMM would
-# spend most of its time making and closing communicators (collective, with 4 ranks on CI's 2
-# cores). The `comm` tests of such a module share one per library, until a test fails on some
+# benchmarks/gpu_validate's time); a module of thousands of tests that sets SHARED_COMM would
+# spend a quarter of its time or more making and closing communicators (collective, with 4
+# ranks on CI's 2 cores). The `comm` tests of such a module share one per library, until a test fails on some
 # rank, closes it or leaves its NCCL communicator aborted.
 _shared_comm: dict = {}   # (test module name, library name) -> communicator
 # where the ranks agree whether the shared one can be reused
