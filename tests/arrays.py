@@ -126,9 +126,11 @@ TORCH_SKIP_REASON = "torch is not installed (pip install 'torch==2.13.0' for the
 
 
 def lib_params(gpu: bool = True) -> list:
-    """pytest params for the libraries: host, torch (skipped without it), stand-in, and the
-    GPU (marked, skipped if none)."""
-    torch_marks = [] if TORCH is not None else [pytest.mark.skip(reason=TORCH_SKIP_REASON)]
+    """pytest params for the libraries: host, torch (marked, skipped without it), stand-in,
+    and the GPU (marked, skipped if none)."""
+    torch_marks = [pytest.mark.torch]
+    if TORCH is None:
+        torch_marks.append(pytest.mark.skip(reason=TORCH_SKIP_REASON))
     params = [pytest.param(HOST, id="host"), pytest.param(TORCH, id="torch", marks=torch_marks),
               pytest.param(STANDIN, id="standin")]
     if gpu:

@@ -1,5 +1,6 @@
 """Fixtures shared by the suite: the array library of a test and a communicator for it (fresh,
-except on a real GPU, where the tests of one module share one while they pass).
+except on a real GPU and in the modules that set ``SHARED_COMM``, where the tests of one module
+share one per library while they pass).
 
 With ``CUPYCOMM_RECORD_CALL_SHAPES=<directory>``, every call cupycomm makes on the stand-in is
 recorded as a call shape, written there when the session ends (see tests/conformance).
@@ -18,11 +19,18 @@ _SHAPES_DIRECTORY = os.environ.get(shapes.ENVIRONMENT_VARIABLE)
 _RECORDER = shapes.install(standin) if _SHAPES_DIRECTORY else None
 
 # On a real GPU each NCCL communicator costs its creation (on one GPU shared by 4 ranks, most of
-# benchmarks/gpu_validate's time): the `comm` tests of one module share one, until a test fails
-# on some rank, closes it or leaves its NCCL communicator aborted.
-_shared_gpu_comm: dict = {}   # test module name -> communicator
-# where the ranks agree whether the shared one can be reused (no GPU: nothing to agree on)
-_AGREE = MPI.COMM_WORLD.Dup() if GPU is not None else None
+# benchmarks/gpu_validate's time); a module of thousands of tests that sets SHARED_COMM would
+# spend a quarter of its time or more making and closing communicators (collective, with 4
+# ranks on CI's 2 cores). The `comm` tests of such a module share one per library, until a test fails on some
+# rank, closes it or leaves its NCCL communicator aborted.
+_shared_comm: dict = {}   # (test module name, library name) -> communicator
+# where the ranks agree whether the shared one can be reused
+_AGREE = MPI.COMM_WORLD.Dup()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch: runs on torch tensors (a `lib` parameter); "
+                                       "skipped where torch is not installed")
 
 
 def pytest_sessionfinish(session):
@@ -50,9 +58,9 @@ def comm(lib, request):
     """A communicator over every rank, for ``lib``'s arrays, its NCCL communicator created up
     front for device libraries (so point-to-point works at once); closed after the test, or
     kept if it failed (see cupycomm.testing.release). Fresh for each test, except on a real
-    GPU (see ``_shared_gpu``)."""
-    if lib.name == "gpu":
-        yield from _shared_gpu(lib, request)
+    GPU and in a module that sets ``SHARED_COMM = True`` (see ``_shared``)."""
+    if lib.name == "gpu" or getattr(request.module, "SHARED_COMM", False):
+        yield from _shared(lib, request)
         return
     communicator = lib.comm()
     if lib.is_device:
@@ -74,30 +82,34 @@ def any_comm(comm, request):
     release(request, derived, derived.close)
 
 
-def _shared_gpu(lib, request):
-    """The module's shared GPU communicator, or a new one where it cannot be reused on some
-    rank (the ranks agree first: making one is collective)."""
-    module = request.module.__name__
-    shared = _shared_gpu_comm.pop(module, None)
-    usable = shared is not None and not shared.closed and not shared.init_device()._aborted
+def _shared(lib, request):
+    """The module's shared communicator for ``lib``, or a new one where it cannot be reused on
+    some rank (the ranks agree first: making one is collective)."""
+    key = (request.module.__name__, lib.name)
+    shared = _shared_comm.pop(key, None)
+    usable = shared is not None and not shared.closed and not (
+        lib.is_device and shared.init_device()._aborted)
     if not _AGREE.allreduce(usable, op=MPI.LAND):   # (dropped where unusable: kept unfreed,
         shared = lib.comm()                         # as release keeps a failed test's)
-        shared.init_device()
+        if lib.is_device:
+            shared.init_device()
     yield shared
     passed = []
     release(request, shared, lambda: passed.append(True))
     if passed:
-        _shared_gpu_comm[module] = shared
+        _shared_comm[key] = shared
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _close_the_shared_gpu_comm(request):
+def _close_the_shared_comms(request):
     yield
-    if _AGREE is None:
+    module = request.module.__name__
+    if not (GPU is not None or getattr(request.module, "SHARED_COMM", False)):
         return
-    shared = _shared_gpu_comm.pop(request.module.__name__, None)
-    if _AGREE.allreduce(shared is not None, op=MPI.LAND):
-        shared.close()
+    for param in lib_params():   # the same keys, in the same order, on every rank
+        shared = _shared_comm.pop((module, param.id), None)
+        if _AGREE.allreduce(shared is not None, op=MPI.LAND):
+            shared.close()
 
 
 @pytest.fixture

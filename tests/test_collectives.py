@@ -18,6 +18,10 @@ REDUCTIONS = [pytest.param(dtype, op.value, id=f"{dtype}-{op.value}")
 MODES = ["inplace", "out", "inplace-async", "out-async"]
 MOVE_MODES = ["new", "out", "new-async", "out-async"]
 SHAPE = (5, 3)   # 15 elements: no power of two anywhere
+# One communicator per library for the whole module (tests/conftest.py): made and closed for
+# each of its thousands of tests, it took a quarter of the module's time on 4 ranks; sharing it
+# also checks that each call leaves the communicator usable for the next.
+SHARED_COMM = True
 
 
 def can_reduce(lib, dtype):

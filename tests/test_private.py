@@ -611,6 +611,7 @@ def test_the_rule_finds_the_predictable_paths_of_before():
     assert predictable_paths(SAFE) == []
 
 
+@pytest.mark.mpi(max_size=1)   # reads the source: alike on every rank
 def test_no_module_opens_a_predictable_path_in_a_shared_directory():
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {call}"
              for path in sorted(PACKAGE.rglob("*.py")) if path.relative_to(PACKAGE) not in ALLOWED
