@@ -28,7 +28,8 @@ from cupycomm.survivors import policy
 from cupycomm.testing import run_mpiexec
 
 SCENARIO = str(Path(__file__).resolve().parent.parent / "tests" / "survivors" / "scenario.py")
-CASES = ("sigkill", "exit0", "exit3", "abort", "during", "objects", "two", "device", "grow")
+CASES = ("sigkill", "exit0", "exit3", "abort", "during", "objects", "two", "device",
+         "device-blocked", "grow")
 SURVIVORS = {"two": (0, 2)}
 
 
