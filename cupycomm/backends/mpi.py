@@ -319,29 +319,11 @@ class MadeCalls(dict):
         return made
 
 
-class GeneralCalls:
-    """The general path's calls of one mode, as one :class:`MadeCalls` attribute for each
-    call of ``_CALLS``; :class:`MPIBackend` holds the blocking and started ones, or while a
+def _general_calls(backend: "MPIBackend", started: bool) -> Dict[str, MadeCalls]:
+    """The general path's calls of one mode: each call of ``_CALLS`` -> its
+    :class:`MadeCalls`. :class:`MPIBackend` holds the blocking and started ones, or while a
     batch() block is open the queued ones, as ``_runs`` (blocking) and ``_started_runs``."""
-
-    __slots__ = tuple(_CALLS)
-    all_reduce: MadeCalls
-    reduce_scatter: MadeCalls
-    reduce: MadeCalls
-    gather: MadeCalls
-    scatter: MadeCalls
-    all_gather: MadeCalls
-    all_to_all: MadeCalls
-    all_to_all_v: MadeCalls
-    broadcast: MadeCalls
-    send: MadeCalls
-    recv: MadeCalls
-    sendrecv: MadeCalls
-    barrier: MadeCalls
-
-    def __init__(self, backend: "MPIBackend", started: bool) -> None:
-        for name in _CALLS:
-            setattr(self, name, MadeCalls(backend, name, started))
+    return {name: MadeCalls(backend, name, started) for name in _CALLS}
 
 
 def _viewed(a: Any, view: Any) -> Any:
@@ -462,9 +444,9 @@ class MPIBackend(HostBackend):
         self._inflight: Deque[HostWork] = collections.deque()
         self._calls: Dict[tuple, Callable] = {}   # see _call
         # The general path's calls by spec: blocking and started, or queued in a batch() block.
-        self._direct_runs = (GeneralCalls(self, False), GeneralCalls(self, True))
+        self._direct_runs = (_general_calls(self, False), _general_calls(self, True))
         self._runs, self._started_runs = self._direct_runs
-        self._queued_runs = GeneralCalls(self, True)
+        self._queued_runs = _general_calls(self, True)
 
     # -- the calls, and what finishes one -------------------------------------------------------
     def _call(self, name: str, started: bool, datatype: Any = _BYTE, op: Any = None,
@@ -567,7 +549,7 @@ class MPIBackend(HostBackend):
     # Each finds its call by the spec, in the mode's table (``_runs`` or ``_started_runs``).
     def all_reduce(self, x, recv, spec, async_op, stream):
         _, _, avg, view = spec
-        run = (self._started_runs if async_op else self._runs).all_reduce[spec]
+        run = (self._started_runs if async_op else self._runs)["all_reduce"][spec]
         if view is None:
             done = run(x, recv)
         else:
@@ -582,17 +564,17 @@ class MPIBackend(HostBackend):
     def reduce(self, x, recv, spec, root, async_op, stream):
         _, _, avg, view = spec
         send = _viewed(x, view)
-        done = (self._started_runs if async_op else self._runs).reduce[spec](
+        done = (self._started_runs if async_op else self._runs)["reduce"][spec](
             send, send if recv is x else _viewed(recv, view), root)
         return self._finish(done, recv, partial(self._divide, recv) if avg and recv is not None
                             else None)
 
     def broadcast(self, x, spec, root, async_op, stream):
-        run = (self._started_runs if async_op else self._runs).broadcast[spec]
+        run = (self._started_runs if async_op else self._runs)["broadcast"][spec]
         return self._finish(run(_viewed(x, spec), root), x)
 
     def all_gather(self, x, recv, spec, async_op, stream, unpack=()):
-        run = (self._started_runs if async_op else self._runs).all_gather[spec]
+        run = (self._started_runs if async_op else self._runs)["all_gather"][spec]
         done = run(_viewed(x, spec), _viewed(recv, spec))
         if not unpack:
             return self._finish(done, recv)
@@ -601,44 +583,44 @@ class MPIBackend(HostBackend):
 
     def reduce_scatter(self, x, recv, spec, async_op, stream):
         _, _, avg, view = spec
-        run = (self._started_runs if async_op else self._runs).reduce_scatter[spec]
+        run = (self._started_runs if async_op else self._runs)["reduce_scatter"][spec]
         done = run(_viewed(x, view), _viewed(recv, view))
         return self._finish(done, recv, partial(self._divide, recv) if avg else None)
 
     def all_to_all(self, x, recv, spec, async_op, stream):
-        run = (self._started_runs if async_op else self._runs).all_to_all[spec]
+        run = (self._started_runs if async_op else self._runs)["all_to_all"][spec]
         return self._finish(run(_viewed(x, spec), _viewed(recv, spec)), recv)
 
     def all_to_all_v(self, x, recv, spec, send_bytes, recv_bytes, async_op, stream):
         """Uneven parts: ``send_bytes[j]`` go to rank ``j``, ``recv_bytes[i]`` come from ``i``."""
-        run = (self._started_runs if async_op else self._runs).all_to_all_v[spec]
+        run = (self._started_runs if async_op else self._runs)["all_to_all_v"][spec]
         return self._finish(run(_viewed(x, spec), send_bytes, _viewed(recv, spec), recv_bytes),
                             recv)
 
     def scatter(self, x, recv, spec, root, async_op, stream):
-        run = (self._started_runs if async_op else self._runs).scatter[spec]
+        run = (self._started_runs if async_op else self._runs)["scatter"][spec]
         send = _viewed(x, spec) if self._rank == root else None
         return self._finish(run(send, _viewed(recv, spec), root), recv)
 
     def gather(self, x, recv, spec, root, async_op, stream):
-        run = (self._started_runs if async_op else self._runs).gather[spec]
+        run = (self._started_runs if async_op else self._runs)["gather"][spec]
         into = _viewed(recv, spec) if self._rank == root else None
         return self._finish(run(_viewed(x, spec), into, root), recv)
 
     def send(self, x, spec, peer, async_op, stream):
-        run = (self._started_runs if async_op else self._runs).send[spec]
+        run = (self._started_runs if async_op else self._runs)["send"][spec]
         return self._finish(run(_viewed(x, spec), peer), None)
 
     def recv(self, x, spec, peer, async_op, stream):
-        run = (self._started_runs if async_op else self._runs).recv[spec]
+        run = (self._started_runs if async_op else self._runs)["recv"][spec]
         return self._finish(run(_viewed(x, spec), peer), x)
 
     def sendrecv(self, x, spec, dst, buf, src, async_op, stream):
-        run = (self._started_runs if async_op else self._runs).sendrecv[spec]
+        run = (self._started_runs if async_op else self._runs)["sendrecv"][spec]
         return self._finish(run(_viewed(x, spec), dst, _viewed(buf, spec), src), buf)
 
     def barrier(self, async_op: bool = False):
-        return self._finish((self._started_runs if async_op else self._runs).barrier[None](),
+        return self._finish((self._started_runs if async_op else self._runs)["barrier"][None](),
                             None)
 
     # -- control traffic: what sizes or checks the next call -------------------------------------
