@@ -54,8 +54,13 @@ def _emulated_op(dtype: np.dtype, carrier: np.dtype, op: ReduceOp) -> MPI.Op:
     return MPI.Op.Create(reduce, commute=True)
 
 
-# A reduction's spec: (MPI datatype, MPI op, divide by size afterwards, the view to hand MPI).
-Spec = Tuple[Any, Any, bool, Optional[np.dtype]]
+class Spec(tuple):
+    """A reduction's spec: (MPI datatype, MPI op, divide by size afterwards, the view to hand
+    MPI). Hashed by identity (mpi4py's Datatype and Op are unhashable): the tables below make
+    each once for the life of the process, and the backend finds its calls by it."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
 
 
 def _tables() -> Tuple[Dict[np.dtype, Optional[np.dtype]], Dict[np.dtype, Dict[ReduceOp, Spec]]]:
@@ -67,12 +72,13 @@ def _tables() -> Tuple[Dict[np.dtype, Optional[np.dtype]], Dict[np.dtype, Dict[R
         native = row.mpi_type is not None and _exports_buffer(dtype)
         movements[dtype] = None if _exports_buffer(dtype) else row.carrier
         if native:
-            reductions[dtype] = {op: (row.mpi_type, _MPI_OPS[applied], applied is ReduceOp.AVG,
-                                      None) for op, applied in row.ops.items()}
+            reductions[dtype] = {op: Spec((row.mpi_type, _MPI_OPS[applied],
+                                           applied is ReduceOp.AVG, None))
+                                 for op, applied in row.ops.items()}
         elif row.carrier is not None:
             carrier_type = from_numpy_dtype(row.carrier)
-            reductions[dtype] = {op: (carrier_type, _emulated_op(dtype, row.carrier, applied),
-                                      applied is ReduceOp.AVG, row.carrier)
+            reductions[dtype] = {op: Spec((carrier_type, _emulated_op(dtype, row.carrier, applied),
+                                           applied is ReduceOp.AVG, row.carrier))
                                  for op, applied in row.ops.items()}
     return movements, reductions
 
@@ -283,12 +289,41 @@ _REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 OP_NAMES = tuple(op.value for op in ReduceOp)
 """The op strings, ``"sum"`` first: a reduction's prepared calls have one key for each."""
 _NO_CALLS = MappingProxyType(dict.fromkeys(OP_NAMES))
+_LABELS = {"all_to_all_v": "all_to_all"}   # what the watchdog calls a call, where not its name
 
 
 def _queue(start: Callable, *args: Any) -> tuple:
     """A batch() block's stand-in for the nonblocking ``start``: the call to make when the
     block ends (:meth:`MPIBackend.end_group`), in place of its request."""
     return start, args
+
+
+class MadeCalls(dict):
+    """One collective's calls in one mode (blocking, started, or queued in a batch() block) by
+    the spec the route gives (a reduction's :class:`Spec`, a movement's view): made on the
+    first lookup of a spec (``__missing__``, by :meth:`MPIBackend._call`), then one subscript."""
+
+    __slots__ = ("_backend", "_name", "_started", "_label")
+
+    def __init__(self, backend: "MPIBackend", name: str, started: bool) -> None:
+        super().__init__()
+        self._backend = backend
+        self._name = name
+        self._started = started
+        self._label = _LABELS.get(name, name)
+
+    def __missing__(self, spec: Any) -> Callable:
+        datatype, op = (spec[0], spec[1]) if type(spec) is Spec else (_BYTE, None)
+        made = self[spec] = self._backend._call(self._name, self._started, datatype, op,
+                                                self._label)
+        return made
+
+
+def _general_calls(backend: "MPIBackend", started: bool) -> Dict[str, MadeCalls]:
+    """The general path's calls of one mode: each call of ``_CALLS`` -> its
+    :class:`MadeCalls`. :class:`MPIBackend` holds the blocking and started ones, or while a
+    batch() block is open the queued ones, as ``_runs`` (blocking) and ``_started_runs``."""
+    return {name: MadeCalls(backend, name, started) for name in _CALLS}
 
 
 def _viewed(a: Any, view: Any) -> Any:
@@ -408,6 +443,10 @@ class MPIBackend(HostBackend):
         # alive even if the caller drops the Work, since MPI writes into them until done.
         self._inflight: Deque[HostWork] = collections.deque()
         self._calls: Dict[tuple, Callable] = {}   # see _call
+        # The general path's calls by spec: blocking and started, or queued in a batch() block.
+        self._direct_runs = (_general_calls(self, False), _general_calls(self, True))
+        self._runs, self._started_runs = self._direct_runs
+        self._queued_runs = _general_calls(self, True)
 
     # -- the calls, and what finishes one -------------------------------------------------------
     def _call(self, name: str, started: bool, datatype: Any = _BYTE, op: Any = None,
@@ -464,11 +503,11 @@ class MPIBackend(HostBackend):
             finish()
         return result
 
-    def _divide(self, recv: np.ndarray) -> Callable[[], None]:
+    def _divide(self, recv: np.ndarray) -> None:
+        """``op="avg"``'s finish: ``recv`` divided by the size, in place."""
         # Complex values divide as pairs of reals, as NCCL's average does.
         reals = recv.reshape(-1).view(recv.real.dtype) if recv.dtype.kind == "c" else recv
-        size = self._size
-        return lambda: np.true_divide(reals, size, out=reals)
+        np.true_divide(reals, self._size, out=reals)
 
     @staticmethod
     def _unpack(pairs) -> Callable[[], None]:
@@ -507,68 +546,82 @@ class MPIBackend(HostBackend):
     # -- collectives: the general path ------------------------------------------------------------
     # The movement spec, and ``view`` in a reduction's spec, is None for the dtypes MPI takes
     # as they are, else the carrier dtype that the buffers are viewed as (bfloat16 -> uint16).
+    # Each finds its call by the spec, in the mode's table (``_runs`` or ``_started_runs``).
     def all_reduce(self, x, recv, spec, async_op, stream):
-        datatype, op, avg, view = spec
-        send = _viewed(x, view)
-        done = self._call("all_reduce", async_op, datatype, op)(
-            send, send if recv is x else _viewed(recv, view))
-        return self._finish(done, recv, self._divide(recv) if avg else None)
+        _, _, avg, view = spec
+        run = (self._started_runs if async_op else self._runs)["all_reduce"][spec]
+        if view is None:
+            done = run(x, recv)
+        else:
+            send = x.view(view)
+            done = run(send, send if recv is x else recv.view(view))
+        if type(done) is HostWork:
+            return self._finish(done, recv, partial(self._divide, recv) if avg else None)
+        if avg:   # (the blocking call's finish, without _finish's frame: op="avg" is common)
+            self._divide(recv)
+        return recv
 
     def reduce(self, x, recv, spec, root, async_op, stream):
-        datatype, op, avg, view = spec
+        _, _, avg, view = spec
         send = _viewed(x, view)
-        done = self._call("reduce", async_op, datatype, op)(
+        done = (self._started_runs if async_op else self._runs)["reduce"][spec](
             send, send if recv is x else _viewed(recv, view), root)
-        return self._finish(done, recv, self._divide(recv) if avg and recv is not None
+        return self._finish(done, recv, partial(self._divide, recv) if avg and recv is not None
                             else None)
 
     def broadcast(self, x, spec, root, async_op, stream):
-        return self._finish(self._call("broadcast", async_op)(_viewed(x, spec), root), x)
+        run = (self._started_runs if async_op else self._runs)["broadcast"][spec]
+        return self._finish(run(_viewed(x, spec), root), x)
 
     def all_gather(self, x, recv, spec, async_op, stream, unpack=()):
-        done = self._call("all_gather", async_op)(_viewed(x, spec), _viewed(recv, spec))
+        run = (self._started_runs if async_op else self._runs)["all_gather"][spec]
+        done = run(_viewed(x, spec), _viewed(recv, spec))
         if not unpack:
             return self._finish(done, recv)
         # The result is the list the parts are copied into.
         return self._finish(done, [dst for dst, _ in unpack], self._unpack(unpack))
 
     def reduce_scatter(self, x, recv, spec, async_op, stream):
-        datatype, op, avg, view = spec
-        done = self._call("reduce_scatter", async_op, datatype, op)(
-            _viewed(x, view), _viewed(recv, view))
-        return self._finish(done, recv, self._divide(recv) if avg else None)
+        _, _, avg, view = spec
+        run = (self._started_runs if async_op else self._runs)["reduce_scatter"][spec]
+        done = run(_viewed(x, view), _viewed(recv, view))
+        return self._finish(done, recv, partial(self._divide, recv) if avg else None)
 
     def all_to_all(self, x, recv, spec, async_op, stream):
-        done = self._call("all_to_all", async_op)(_viewed(x, spec), _viewed(recv, spec))
-        return self._finish(done, recv)
+        run = (self._started_runs if async_op else self._runs)["all_to_all"][spec]
+        return self._finish(run(_viewed(x, spec), _viewed(recv, spec)), recv)
 
     def all_to_all_v(self, x, recv, spec, send_bytes, recv_bytes, async_op, stream):
         """Uneven parts: ``send_bytes[j]`` go to rank ``j``, ``recv_bytes[i]`` come from ``i``."""
-        run = self._call("all_to_all_v", async_op, label="all_to_all")
+        run = (self._started_runs if async_op else self._runs)["all_to_all_v"][spec]
         return self._finish(run(_viewed(x, spec), send_bytes, _viewed(recv, spec), recv_bytes),
                             recv)
 
     def scatter(self, x, recv, spec, root, async_op, stream):
+        run = (self._started_runs if async_op else self._runs)["scatter"][spec]
         send = _viewed(x, spec) if self._rank == root else None
-        return self._finish(self._call("scatter", async_op)(send, _viewed(recv, spec), root),
-                            recv)
+        return self._finish(run(send, _viewed(recv, spec), root), recv)
 
     def gather(self, x, recv, spec, root, async_op, stream):
+        run = (self._started_runs if async_op else self._runs)["gather"][spec]
         into = _viewed(recv, spec) if self._rank == root else None
-        return self._finish(self._call("gather", async_op)(_viewed(x, spec), into, root), recv)
+        return self._finish(run(_viewed(x, spec), into, root), recv)
 
     def send(self, x, spec, peer, async_op, stream):
-        return self._finish(self._call("send", async_op)(_viewed(x, spec), peer), None)
+        run = (self._started_runs if async_op else self._runs)["send"][spec]
+        return self._finish(run(_viewed(x, spec), peer), None)
 
     def recv(self, x, spec, peer, async_op, stream):
-        return self._finish(self._call("recv", async_op)(_viewed(x, spec), peer), x)
+        run = (self._started_runs if async_op else self._runs)["recv"][spec]
+        return self._finish(run(_viewed(x, spec), peer), x)
 
     def sendrecv(self, x, spec, dst, buf, src, async_op, stream):
-        done = self._call("sendrecv", async_op)(_viewed(x, spec), dst, _viewed(buf, spec), src)
-        return self._finish(done, buf)
+        run = (self._started_runs if async_op else self._runs)["sendrecv"][spec]
+        return self._finish(run(_viewed(x, spec), dst, _viewed(buf, spec), src), buf)
 
     def barrier(self, async_op: bool = False):
-        return self._finish(self._call("barrier", async_op)(), None)
+        return self._finish((self._started_runs if async_op else self._runs)["barrier"][None](),
+                            None)
 
     # -- control traffic: what sizes or checks the next call -------------------------------------
     def gather_ints(self, values: Sequence[int], label: str) -> np.ndarray:
@@ -599,11 +652,13 @@ class MPIBackend(HostBackend):
     # -- batch() blocks: the calls start together when the block ends, which waits for them ------
     def begin_group(self, group: Any) -> None:
         self._group = group
+        self._runs = self._started_runs = self._queued_runs
 
     def end_group(self, group: Any, cancel: bool) -> None:
         """Start the block's calls and wait for all of them; if the block raised
         (``cancel``), start none: no rank is left matching half a block."""
         self._group = None
+        self._runs, self._started_runs = self._direct_runs
         if group.kind != "host" or cancel:
             return
         for work, (start, args) in zip(group.works, group.calls):

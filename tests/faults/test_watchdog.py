@@ -55,7 +55,8 @@ def test_busy_names_the_blocking_call_while_it_lasts(fail):
     scripted = _ScriptedMPI(tracker, fail)
     backend = MPIBackend(scripted, tracker)
     x = np.arange(4, dtype=np.float32)
-    calls = [lambda: backend.all_reduce(x, x, (MPI.FLOAT, MPI.SUM, False, None), False, None),
+    spec = backend.reductions[x.dtype]["sum"]   # (MPI.FLOAT, MPI.SUM, no average, no view)
+    calls = [lambda: backend.all_reduce(x, x, spec, False, None),
              lambda: backend.barrier(),
              lambda: backend.recv(x, None, 1, False, None),
              lambda: backend.all_to_all_v(x, x.copy(), None, [8, 8], [8, 8], False, None)]
