@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
 from ..run import launchers
 
@@ -89,17 +89,76 @@ def run_mpiexec(n: int, *args: str, timeout: float, env: Optional[Mapping[str, s
     """
     _check_job("run_mpiexec", n, timeout)
     start = time.monotonic()
+    note = ""
     with start_mpiexec(n, *args, env=env, cwd=cwd, mpiexec=mpiexec, mpiexec_args=mpiexec_args,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE) as job:
-        try:
-            stdout, stderr = job.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            kill(job)
-            stdout, stderr = job.communicate()
-            timed_out = True
-    return Launched(job.args, job.returncode, stdout, stderr, time.monotonic() - start,
+        timed_out, alone = False, _Alone(job.pid)
+        while True:
+            try:   # retried after a timeout, communicate() loses no output
+                stdout, stderr = job.communicate(timeout=_POLL)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - start >= timeout:
+                    timed_out = True
+                elif not alone.outlived():
+                    continue
+                else:
+                    note = (f"\nrun_mpiexec: the launcher outlived every process it started "
+                            f"by {_OUTLIVED:g} s: killed (Open MPI 5's prterun was seen to hang "
+                            f"so after MPI_Abort; open-mpi/ompi#12064)\n")
+                kill(job)
+                stdout, stderr = job.communicate()
+                break
+    return Launched(job.args, job.returncode, stdout, stderr + note, time.monotonic() - start,
                     timed_out)
+
+
+_POLL = 0.5       # seconds between looks at a running job
+_OUTLIVED = 2.0   # how long a launcher may outlive every process it started
+
+
+class _Alone:
+    """Whether a launcher (``pid``, the leader of the job's session) has been alone in its
+    session for ``_OUTLIVED`` seconds after others (its ranks, proxies) were seen in it: the
+    job is over and the launcher hangs. A launcher whose ranks never run in its session
+    (srun: slurmd starts them) is never alone in this sense."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self._seen = False
+        self._since: Optional[float] = None
+
+    def outlived(self) -> bool:
+        if _session_members(self._pid) - {self._pid}:
+            self._seen, self._since = True, None
+            return False
+        if not self._seen:
+            return False
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        return now - self._since >= _OUTLIVED
+
+
+def _session_members(session: int) -> Set[int]:
+    """The live (not zombie) processes of ``session``, from /proc (empty where there is
+    none: then no launcher is ever found alone)."""
+    members: Set[int] = set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return members
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue   # gone meanwhile
+        if fields[0] != "Z" and int(fields[3]) == session:
+            members.add(int(name))
+    return members
 
 
 def start_mpiexec(n: int, *args: str, env: Optional[Mapping[str, str]] = None,
