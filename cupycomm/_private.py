@@ -10,6 +10,8 @@ Every file cupycomm makes outside a directory the user named is made here:
 - :func:`open_checked`: a file that another process of the job made there, opened only if
   the directory and the file are this user's, with modes 0700 and 0600, and no link
   (:class:`~cupycomm.errors.SharedFileRefused` otherwise);
+- :func:`hold_directory`: such a directory (or ``tempfile.mkdtemp``'s) by its descriptor,
+  checked there, so that another directory swapped in under its name is never read;
 - :func:`remove`: the directory and its files, following no link;
 - :func:`sweep`: the directories of this user's processes that are gone (a killed rank never
   removes its own), once per process and parent; other users' entries are never touched;
@@ -41,8 +43,8 @@ from typing import Any, Callable, Iterator, Optional, Set, Tuple
 from .errors import SharedFileRefused
 
 __all__ = ["alive", "shared_directory", "temporary_directory", "directory_of", "make_directory",
-           "create", "open_checked", "remove", "sweep", "open_directory", "replacing",
-           "check_writable", "replace_file", "read_own"]
+           "create", "open_checked", "hold_directory", "remove", "sweep", "open_directory",
+           "replacing", "check_writable", "replace_file", "read_own"]
 
 _NAME = re.compile(r"cupycomm-([0-9]+)-[0-9a-f]{16}\Z")
 _swept: Set[str] = set()
@@ -118,14 +120,27 @@ def open_checked(directory: str, name: str, flags: int = os.O_RDWR) -> int:
     this user, with modes 0700 and 0600 (checked on the opened descriptors: nothing can be
     swapped in between), and neither is a link."""
     path = os.path.join(directory, name)
-    dfd = _open_no_link(directory, os.O_RDONLY | os.O_DIRECTORY, "directory")
+    dfd = hold_directory(directory)
     try:
-        _check(dfd, directory, stat.S_ISDIR, "a directory", 0o700)
         fd = _open_no_link(path, flags, "regular file", dfd)
     finally:
         os.close(dfd)
     try:
         _check(fd, path, stat.S_ISREG, "a regular file", 0o600)
+    except SharedFileRefused:
+        os.close(fd)
+        raise
+    return fd
+
+
+def hold_directory(directory: str) -> int:
+    """The descriptor of ``directory``, a private directory of this user's (mode 0700, as
+    :func:`make_directory` and ``tempfile.mkdtemp`` make them), opened following no link
+    and checked on the descriptor (SharedFileRefused otherwise): what is read or removed
+    through it is in that directory, whatever its name comes to name later."""
+    fd = _open_no_link(directory, os.O_RDONLY | os.O_DIRECTORY, "directory")
+    try:
+        _check(fd, directory, stat.S_ISDIR, "a directory", 0o700)
     except SharedFileRefused:
         os.close(fd)
         raise
@@ -160,11 +175,14 @@ def _check(fd: int, path: str, kind: Callable[[int], bool], kind_name: str,
         f"planted or changed it)")
 
 
-def remove(directory: str) -> None:
+def remove(directory: str, held: Optional[int] = None) -> None:
     """Remove the private ``directory`` and the files in it (a link is removed, never
-    followed); what is already gone is no error."""
+    followed); what is already gone is no error. ``held``: its descriptor
+    (:func:`hold_directory`, left open): the files go from there, and the name only while it
+    still names that directory."""
     try:
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW) if (
+            held is None) else held
     except OSError:
         return
     try:
@@ -173,12 +191,23 @@ def remove(directory: str) -> None:
                 os.unlink(name, dir_fd=dfd)
             except OSError:   # a directory, or removed meanwhile: rmdir below says so
                 pass
+        if held is not None and not _names(directory, held):
+            return   # renamed away (another user's directory in its place is theirs)
     finally:
-        os.close(dfd)
+        if held is None:
+            os.close(dfd)
     try:
         os.rmdir(directory)
     except OSError:
         pass
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` names the directory open as ``fd``."""
+    try:
+        return os.path.samestat(os.lstat(path), os.fstat(fd))
+    except OSError:
+        return False
 
 
 def sweep(parent: str) -> None:
