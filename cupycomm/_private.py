@@ -119,18 +119,12 @@ def open_checked(directory: str, name: str, flags: int = os.O_RDWR) -> int:
     found, unless the directory is a directory and the file a regular file, both owned by
     this user, with modes 0700 and 0600 (checked on the opened descriptors: nothing can be
     swapped in between), and neither is a link."""
-    path = os.path.join(directory, name)
     dfd = hold_directory(directory)
     try:
-        fd = _open_no_link(path, flags, "regular file", dfd)
+        return _open_and_check(os.path.join(directory, name), flags, stat.S_ISREG,
+                               "a regular file", 0o600, dfd)
     finally:
         os.close(dfd)
-    try:
-        _check(fd, path, stat.S_ISREG, "a regular file", 0o600)
-    except SharedFileRefused:
-        os.close(fd)
-        raise
-    return fd
 
 
 def hold_directory(directory: str) -> int:
@@ -138,9 +132,16 @@ def hold_directory(directory: str) -> int:
     :func:`make_directory` and ``tempfile.mkdtemp`` make them), opened following no link
     and checked on the descriptor (SharedFileRefused otherwise): what is read or removed
     through it is in that directory, whatever its name comes to name later."""
-    fd = _open_no_link(directory, os.O_RDONLY | os.O_DIRECTORY, "directory")
+    return _open_and_check(directory, os.O_RDONLY | os.O_DIRECTORY, stat.S_ISDIR,
+                           "a directory", 0o700)
+
+
+def _open_and_check(path: str, flags: int, kind: Callable[[int], bool], kind_name: str,
+                    mode: int, dir_fd: Optional[int] = None) -> int:
+    """``path`` opened following no link (in ``dir_fd`` if given), and :func:`_check`-ed."""
+    fd = _open_no_link(path, flags, kind_name, dir_fd)
     try:
-        _check(fd, directory, stat.S_ISDIR, "a directory", 0o700)
+        _check(fd, path, kind, kind_name, mode)
     except SharedFileRefused:
         os.close(fd)
         raise
@@ -155,7 +156,7 @@ def _open_no_link(path: str, flags: int, what: str, dir_fd: Optional[int] = None
                        flags | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError:
         if os.path.islink(path):
-            raise SharedFileRefused(f"{path} is a symbolic link, expected a {what} of this "
+            raise SharedFileRefused(f"{path} is a symbolic link, expected {what} of this "
                                     f"user's (uid {os.getuid()}): refused") from None
         raise
 
@@ -364,7 +365,7 @@ def read_own(directory_fd: int, name: str, where: str) -> str:
     may write, and not a link; SharedFileRefused otherwise (checked on the opened descriptor;
     a FIFO is opened without waiting for a writer)."""
     path = os.path.join(where, name)
-    fd = _open_no_link(path, os.O_RDONLY | os.O_NONBLOCK, "regular file", directory_fd)
+    fd = _open_no_link(path, os.O_RDONLY | os.O_NONBLOCK, "a regular file", directory_fd)
     with os.fdopen(fd) as f:
         found = os.fstat(fd)
         uid = os.getuid()

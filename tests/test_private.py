@@ -498,11 +498,15 @@ def test_a_link_of_another_user_on_the_way_to_a_named_directory_is_refused(tmp_p
     err = capsys.readouterr().err
     assert (f"cupycomm flight recorder: could not write {planted}/records: {planted} is a "
             f"symbolic link of uid {NOBODY}" in err), err
-    with pytest.raises(SharedFileRefused, match=rf"{planted} is a symbolic link of uid "
-                                                rf"{NOBODY}, not this user's \(uid 0\) or "
-                                                rf"root's: refused"):
-        private.replace_file(str(planted / "report.json"), "{}")
-    assert list(target.iterdir()) == []
+    _refused(planted, target, rf"{planted} is a symbolic link of uid {NOBODY}, not this "
+                              rf"user's \(uid 0\) or root's: refused")
+
+
+def _refused(directory, written, pattern):
+    """A file at ``directory`` is refused, saying ``pattern``; nothing lands in ``written``."""
+    with pytest.raises(SharedFileRefused, match=pattern):
+        private.replace_file(str(directory / "rank-0.json"), "{}")
+    assert list(written.iterdir()) == []
 
 
 @pytest.mark.mpi(max_size=1)
@@ -513,11 +517,8 @@ def test_a_directory_of_another_user_is_refused(tmp_path, mode):
     theirs.mkdir()
     os.chmod(theirs, mode)
     os.chown(theirs, NOBODY, NOBODY)
-    with pytest.raises(SharedFileRefused, match=rf"{theirs} is a directory owned by uid "
-                                                rf"{NOBODY} with mode {mode:04o}, expected one "
-                                                rf"of this user's \(uid 0\) or root's"):
-        private.replace_file(str(theirs / "rank-0.json"), "{}")
-    assert list(theirs.iterdir()) == []
+    _refused(theirs, theirs, rf"{theirs} is a directory owned by uid {NOBODY} with mode "
+                             rf"{mode:04o}, expected one of this user's \(uid 0\) or root's")
 
 
 @pytest.mark.mpi(max_size=1)
@@ -527,10 +528,9 @@ def test_a_directory_everyone_may_change_is_refused_unless_sticky(tmp_path):
     everyone = tmp_path / "everyone"
     everyone.mkdir()
     os.chmod(everyone, 0o777)
-    with pytest.raises(SharedFileRefused, match=rf"{everyone} is a directory owned by uid "
-                                                rf"{os.getuid()} with mode 0777, expected one "
-                                                rf".* that no other user may change"):
-        private.replace_file(str(everyone / "rank-0.json"), "{}")
+    _refused(everyone, everyone, rf"{everyone} is a directory owned by uid {os.getuid()} "
+                                 rf"with mode 0777, expected one .* that no other user may "
+                                 rf"change")
     os.chmod(everyone, 0o1777)
     private.replace_file(str(everyone / "rank-0.json"), "{}")
     assert (everyone / "rank-0.json").read_text() == "{}"
