@@ -14,18 +14,21 @@ from mpi4py import MPI
 
 import cupycomm
 from . import _bootstrap, fieldtest, selfcheck
+from . import _private as private
+from .errors import SharedFileRefused
 from .bench.libraries import load_device_module
 
 EXIT_USAGE = 2
 
 
 def _writable(path: str, comm: MPI.Comm) -> str:
-    """'' where rank 0 can write ``path``, else why not (the same answer on every rank)."""
+    """'' where rank 0 can write ``path`` (as :func:`cupycomm._private.replacing` will, at
+    the end), else why not (the same answer on every rank)."""
     why = ""
     if comm.Get_rank() == 0:
         try:
-            open(path, "a").close()
-        except OSError as error:
+            private.check_writable(path)
+        except (OSError, SharedFileRefused) as error:
             why = f"cannot write the report to {path}: {error}"
     return comm.bcast(why, root=0)
 

@@ -33,6 +33,8 @@ results back), and the backend's type for its dtype (and op): ``reductions[dtype
 #: as a reduction's op, to be refused by name as any other unknown op).
 MOVES: Any = object()
 
+_may_share_memory = np.may_share_memory   # exact for C-contiguous arrays: their bounds
+
 
 class Router:
     """The backends of one communicator and which one takes each array.
@@ -259,6 +261,34 @@ class Router:
             raise self._checks.fail(ValueError, name, f"{arg} has shape {out.shape}, expected "
                                                       f"{want}{expected}")
         return out
+
+    def check_apart(self, name: str, arg: str, b: Any, out: Any, x: Any,
+                    in_place: bool = False) -> Any:
+        """``out``, where it shares no memory with ``x`` (two checked C-contiguous arrays of
+        backend ``b``; ``arg`` names ``out``, "x" for scatter's, whose ``x`` is its out);
+        ``x`` itself where ``in_place`` (a reduction, which has an in-place form) and ``out``
+        is another view of ``x``'s very memory: MPI refuses such a pair as aliased, NCCL
+        takes equal pointers as in place. Any other overlap: ValueError, before any
+        communication (MPI names no argument or aborts, NCCL mixes the data silently)."""
+        if out is x:
+            if in_place:
+                return out
+        elif b.device_id is None:
+            if not _may_share_memory(out, x):
+                return out
+            if (in_place and out.__array_interface__["data"][0]
+                    == x.__array_interface__["data"][0] and out.nbytes == x.nbytes):
+                return x
+        else:
+            start, begin = out.data.ptr, x.data.ptr
+            if start + out.nbytes <= begin or begin + x.nbytes <= start:
+                return out
+            if in_place and start == begin and out.nbytes == x.nbytes:
+                return x
+        other = "out" if arg == "x" else "x"
+        also = ", or pass x itself (or out=None) to reduce in place" if in_place else ""
+        raise self._checks.fail(ValueError, name, f"{arg} overlaps {other} (they share "
+                                                  f"memory); give out memory of its own{also}")
 
     def check_parts(self, name: str, arg: str, b: Any, parts: Sequence, like: Any,
                     writes: bool = True) -> list:

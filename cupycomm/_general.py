@@ -48,6 +48,7 @@ class GeneralPath:
             out = x
         else:
             out = self._router.check_out("all_reduce", "out", b, out, x, (x.shape,))
+            out = self._router.check_apart("all_reduce", "out", b, out, x, in_place=True)
         return b.all_reduce(x, out, wire, async_op, stream)
 
     def reduce(self, x: Any, root: int, op: Any, out: Any, async_op: bool,
@@ -57,6 +58,7 @@ class GeneralPath:
         self._checks.check_rank("reduce", "root", root)
         if out is not None:   # checked wherever given, so that every rank fails alike
             out = self._router.check_out("reduce", "out", b, out, x, (x.shape,))
+            out = self._router.check_apart("reduce", "out", b, out, x, in_place=True)
         if self._rank != root:
             out = None
         elif out is None:
@@ -79,6 +81,7 @@ class GeneralPath:
             return self._layouts.all_gather_list(b, x, wire, out, async_op, stream)
         out = self._router.check_out("all_gather", "out", b, out, x, shapes,
                                      " (size parts shaped like x)")
+        self._router.check_apart("all_gather", "out", b, out, x)
         return b.all_gather(x, out, wire, async_op, stream)
 
     def reduce_scatter(self, x: Any, op: Any, out: Any, async_op: bool, stream: Any) -> Any:
@@ -93,6 +96,7 @@ class GeneralPath:
         else:
             shapes = (part, x.shape[1:]) if x.shape[0] == self._size else (part,)
             out = self._router.check_out("reduce_scatter", "out", b, out, x, shapes)
+            self._router.check_apart("reduce_scatter", "out", b, out, x)
         return b.reduce_scatter(x, out, wire, async_op, stream)
 
     def all_to_all(self, x: Any, out: Any, in_splits: Optional[Sequence[int]],
@@ -105,6 +109,7 @@ class GeneralPath:
                 out = b.empty(x.shape, x.dtype, stream)
             else:
                 out = self._router.check_out("all_to_all", "out", b, out, x, (x.shape,))
+                self._router.check_apart("all_to_all", "out", b, out, x)
             return b.all_to_all(x, out, wire, async_op, stream)
         return self._layouts.all_to_all_v(b, x, wire, out, in_splits, out_splits, async_op, stream)
 
@@ -115,6 +120,7 @@ class GeneralPath:
         if x is not None or self._rank == root:   # checked wherever given: alike on every rank
             x = self._router.check_out("scatter", "x", b, x, out, self._joined[out.shape],
                                        " (size parts shaped like out)", writes=False)
+            self._router.check_apart("scatter", "x", b, x, out)
         return b.scatter(x, out, wire, root, async_op, stream)
 
     def gather(self, x: Any, root: int, out: Any, async_op: bool, stream: Any) -> Any:
@@ -125,6 +131,7 @@ class GeneralPath:
         if out is not None:   # checked wherever given, so that every rank fails alike
             out = self._router.check_out("gather", "out", b, out, x, shapes,
                                          " (size parts shaped like x)")
+            self._router.check_apart("gather", "out", b, out, x)
         if self._rank != root:
             out = None
         elif out is None:

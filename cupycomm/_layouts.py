@@ -81,6 +81,7 @@ class Layouts:
             else:
                 out = self._router.check_out("all_to_all", "out", b, out, x, (shape,),
                                              " (sum(out_splits) rows)")
+                self._router.check_apart("all_to_all", "out", b, out, x)
         else:
             received, out = self._received_splits(b, x, sent, out, stream)
         row = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
@@ -98,6 +99,7 @@ class Layouts:
             if out.ndim == 0 or out.shape[1:] != x.shape[1:]:
                 raise checks.fail(ValueError, "all_to_all", f"out has shape {out.shape}, "
                                                             f"expected (rows, *{x.shape[1:]})")
+            self._router.check_apart("all_to_all", "out", b, out, x)
             rows = out.shape[0]
         table = self._router.host.gather_ints(sent + [rows], "all_to_all")
         expected = table[:, :-1].sum(axis=0)   # rank j receives column j

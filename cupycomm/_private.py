@@ -10,14 +10,18 @@ Every file cupycomm makes outside a directory the user named is made here:
 - :func:`open_checked`: a file that another process of the job made there, opened only if
   the directory and the file are this user's, with modes 0700 and 0600, and no link
   (:class:`~cupycomm.errors.SharedFileRefused` otherwise);
+- :func:`hold_directory`: such a directory (or ``tempfile.mkdtemp``'s) by its descriptor,
+  checked there, so that another directory swapped in under its name is never read;
 - :func:`remove`: the directory and its files, following no link;
 - :func:`sweep`: the directories of this user's processes that are gone (a killed rank never
   removes its own), once per process and parent; other users' entries are never touched;
   :func:`alive` says which processes are gone.
 
-:func:`replace_file` writes a whole file in a directory the user named (``os.replace`` of a
-new 0600 file), so a reader never sees half of it and no link planted at its name is
-followed.
+Files at paths the user named (reports, the flight recorder's files, a run's records) are
+written by one writer, :func:`replacing` (:func:`replace_file` for text): a new file under a
+random name beside the path, renamed over it, in a directory checked and held by
+:func:`open_directory` (no other user's link followed, no directory another user may change);
+:func:`read_own` reads such a file back only if it is this user's.
 
 Example::
 
@@ -28,17 +32,19 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import stat
 import tempfile
-from typing import Callable, Optional, Set, Tuple
+from typing import Any, Callable, Iterator, Optional, Set, Tuple
 
 from .errors import SharedFileRefused
 
 __all__ = ["alive", "shared_directory", "temporary_directory", "directory_of", "make_directory",
-           "create", "open_checked", "remove", "sweep", "replace_file"]
+           "create", "open_checked", "hold_directory", "remove", "sweep", "open_directory",
+           "replacing", "check_writable", "replace_file", "read_own"]
 
 _NAME = re.compile(r"cupycomm-([0-9]+)-[0-9a-f]{16}\Z")
 _swept: Set[str] = set()
@@ -113,15 +119,29 @@ def open_checked(directory: str, name: str, flags: int = os.O_RDWR) -> int:
     found, unless the directory is a directory and the file a regular file, both owned by
     this user, with modes 0700 and 0600 (checked on the opened descriptors: nothing can be
     swapped in between), and neither is a link."""
-    path = os.path.join(directory, name)
-    dfd = _open_no_link(directory, os.O_RDONLY | os.O_DIRECTORY, "directory")
+    dfd = hold_directory(directory)
     try:
-        _check(dfd, directory, stat.S_ISDIR, "a directory", 0o700)
-        fd = _open_no_link(path, flags, "regular file", dfd)
+        return _open_and_check(os.path.join(directory, name), flags, stat.S_ISREG,
+                               "a regular file", 0o600, dfd)
     finally:
         os.close(dfd)
+
+
+def hold_directory(directory: str) -> int:
+    """The descriptor of ``directory``, a private directory of this user's (mode 0700, as
+    :func:`make_directory` and ``tempfile.mkdtemp`` make them), opened following no link
+    and checked on the descriptor (SharedFileRefused otherwise): what is read or removed
+    through it is in that directory, whatever its name comes to name later."""
+    return _open_and_check(directory, os.O_RDONLY | os.O_DIRECTORY, stat.S_ISDIR,
+                           "a directory", 0o700)
+
+
+def _open_and_check(path: str, flags: int, kind: Callable[[int], bool], kind_name: str,
+                    mode: int, dir_fd: Optional[int] = None) -> int:
+    """``path`` opened following no link (in ``dir_fd`` if given), and :func:`_check`-ed."""
+    fd = _open_no_link(path, flags, kind_name, dir_fd)
     try:
-        _check(fd, path, stat.S_ISREG, "a regular file", 0o600)
+        _check(fd, path, kind, kind_name, mode)
     except SharedFileRefused:
         os.close(fd)
         raise
@@ -136,7 +156,7 @@ def _open_no_link(path: str, flags: int, what: str, dir_fd: Optional[int] = None
                        flags | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError:
         if os.path.islink(path):
-            raise SharedFileRefused(f"{path} is a symbolic link, expected a {what} of this "
+            raise SharedFileRefused(f"{path} is a symbolic link, expected {what} of this "
                                     f"user's (uid {os.getuid()}): refused") from None
         raise
 
@@ -156,11 +176,14 @@ def _check(fd: int, path: str, kind: Callable[[int], bool], kind_name: str,
         f"planted or changed it)")
 
 
-def remove(directory: str) -> None:
+def remove(directory: str, held: Optional[int] = None) -> None:
     """Remove the private ``directory`` and the files in it (a link is removed, never
-    followed); what is already gone is no error."""
+    followed); what is already gone is no error. ``held``: its descriptor
+    (:func:`hold_directory`, left open): the files go from there, and the name only while it
+    still names that directory."""
     try:
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW) if (
+            held is None) else held
     except OSError:
         return
     try:
@@ -169,12 +192,23 @@ def remove(directory: str) -> None:
                 os.unlink(name, dir_fd=dfd)
             except OSError:   # a directory, or removed meanwhile: rmdir below says so
                 pass
+        if held is not None and not _names(directory, held):
+            return   # renamed away (another user's directory in its place is theirs)
     finally:
-        os.close(dfd)
+        if held is None:
+            os.close(dfd)
     try:
         os.rmdir(directory)
     except OSError:
         pass
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` names the directory open as ``fd``."""
+    try:
+        return os.path.samestat(os.lstat(path), os.fstat(fd))
+    except OSError:
+        return False
 
 
 def sweep(parent: str) -> None:
@@ -202,15 +236,146 @@ def sweep(parent: str) -> None:
             remove(path)
 
 
-def replace_file(path: str, text: str) -> None:
-    """Write ``text`` as the whole of ``path`` (a directory the user named): a new file of
-    mode 0600 beside it (``O_EXCL | O_NOFOLLOW``), then renamed over it."""
-    partial = f"{path}.{os.getpid()}"
+def open_directory(path: str, make: bool = False) -> int:
+    """The descriptor of directory ``path``, which the user named, to write files in: reached
+    following no link but this user's and root's (another user's link on the way is refused),
+    its missing parts made if ``make`` (mode 0777 less the umask), and refused unless it is
+    this user's or root's and no other user may change its entries (not writable by others,
+    or sticky, as /tmp is; its group is trusted). SharedFileRefused names what was found."""
+    uid = os.getuid()
+    fd = os.open("/" if os.path.isabs(path) else ".", os.O_RDONLY | os.O_DIRECTORY)
+    where = "/" if os.path.isabs(path) else ""
     try:
-        os.unlink(partial)   # a partial this pid left before (removed, not followed)
+        for part in [p for p in path.split("/") if p not in ("", ".")]:
+            where = os.path.join(where, part)
+            try:
+                step = _step(fd, part, where, make, uid)
+            except OSError as error:   # named by the whole path, not its last part
+                error.filename = where
+                raise
+            os.close(fd)
+            fd = step
+        found = os.fstat(fd)
+        mode = stat.S_IMODE(found.st_mode)
+        if found.st_uid not in (uid, 0) or mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise SharedFileRefused(
+                f"{path} is a directory owned by uid {found.st_uid} with mode {mode:04o}, "
+                f"expected one of this user's (uid {uid}) or root's that no other user may "
+                f"change (not writable by others, or sticky as /tmp is): refused")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _step(fd: int, part: str, where: str, make: bool, uid: int) -> int:
+    """The descriptor of directory ``part`` in directory ``fd`` (``where``: its path): not
+    through another user's link; made if missing and ``make``."""
+    flags = os.O_RDONLY | os.O_DIRECTORY
+    try:
+        return os.open(part, flags | os.O_NOFOLLOW, dir_fd=fd)
     except FileNotFoundError:
-        pass
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(partial, path)
+        if not make:
+            raise
+        try:
+            os.mkdir(part, 0o777, dir_fd=fd)
+        except FileExistsError:   # made meanwhile (a peer rank): checked as any other below
+            pass
+        return _step(fd, part, where, False, uid)
+    except OSError:   # a link (ELOOP), or not a directory
+        found = os.stat(part, dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISLNK(found.st_mode):
+            raise
+        if found.st_uid not in (uid, 0):
+            raise SharedFileRefused(f"{where} is a symbolic link of uid {found.st_uid}, not "
+                                    f"this user's (uid {uid}) or root's: refused (another "
+                                    f"user may have planted it)") from None
+        return os.open(part, flags, dir_fd=fd)   # this user's own link (or root's): taken
+
+
+@contextlib.contextmanager
+def replacing(path: str, mode: str = "w", *, permissions: int = 0o600, make: bool = False,
+              **kwargs: Any) -> Iterator[Any]:
+    """The one writer of a whole file at a path the user named (reports, tables, plots, the
+    flight recorder's files, a run's records): a file object on a new file (``permissions``
+    less the umask) under a random name beside ``path``, renamed to ``path`` once written,
+    so a reader never sees half of it and a run that fails midway leaves ``path`` as it was.
+    Nothing planted can divert it: the directory is checked and held (:func:`open_directory`;
+    ``make``: made if missing), the new file is created, never opened (``O_EXCL |
+    O_NOFOLLOW``), and the rename replaces a link at ``path``, never follows it.
+
+    Example::
+
+        with replacing("rows.csv", newline="", permissions=0o666) as out:
+            out.write("size,time\\n")
+    """
+    directory, name = os.path.split(path)
+    dfd = open_directory(directory or ".", make)
+    try:
+        fd, partial = _new_partial(dfd, name, permissions)
+        try:
+            with os.fdopen(fd, mode, **kwargs) as out:
+                yield out
+            os.replace(partial, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(partial, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dfd)
+
+
+def _new_partial(dfd: int, name: str, permissions: int) -> Tuple[int, str]:
+    """A new file beside ``name`` in the directory open as ``dfd``: (its descriptor, open for
+    writing, and its random name)."""
+    while True:
+        partial = f".{name}.{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                           permissions, dir_fd=dfd), partial
+        except FileExistsError:   # 64 random bits taken: draw again
+            continue
+
+
+def check_writable(path: str) -> None:
+    """Raise what :func:`replacing` would raise before writing ``path`` (its directory
+    missing, refused or not writable), leaving ``path`` as it is: for a command that writes
+    its file at the end of a long run."""
+    directory, name = os.path.split(path)
+    dfd = open_directory(directory or ".")
+    try:
+        fd, partial = _new_partial(dfd, name, 0o600)
+        os.close(fd)
+        os.unlink(partial, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def replace_file(path: str, text: str, make: bool = False) -> None:
+    """Write ``text`` as the whole of ``path``, mode 0600 (:func:`replacing`)."""
+    with replacing(path, make=make) as out:
+        out.write(text)
+
+
+def read_own(directory_fd: int, name: str, where: str) -> str:
+    """The text of file ``name`` in the directory open as ``directory_fd`` (``where``: its
+    path, for messages), read only if it is a regular file of this user's that no other user
+    may write, and not a link; SharedFileRefused otherwise (checked on the opened descriptor;
+    a FIFO is opened without waiting for a writer)."""
+    path = os.path.join(where, name)
+    fd = _open_no_link(path, os.O_RDONLY | os.O_NONBLOCK, "a regular file", directory_fd)
+    with os.fdopen(fd) as f:
+        found = os.fstat(fd)
+        uid = os.getuid()
+        if (not stat.S_ISREG(found.st_mode) or found.st_uid != uid
+                or found.st_mode & stat.S_IWOTH):
+            what = "a directory" if stat.S_ISDIR(found.st_mode) else (
+                "a regular file" if stat.S_ISREG(found.st_mode)
+                else "neither a file nor a directory")
+            raise SharedFileRefused(
+                f"{path} is {what} owned by uid {found.st_uid} with mode "
+                f"{stat.S_IMODE(found.st_mode):04o}, expected one of this user's (uid {uid}) "
+                f"that no other user may write: refused (another user may have planted it)")
+        return f.read()

@@ -17,7 +17,8 @@ instead of hundreds:
 Both take NumPy or CuPy arrays (not both in one call; foreign arrays too, converted
 without a copy: ``bucket.arrays`` are then NumPy/CuPy views), of any shapes, zero-size and
 0-d included, and run through the communicator's own collectives (validation, debug mode and
-timeouts included).
+timeouts included). Debug mode also compares the list itself across ranks (each array's
+dtype and size, in order), which the packed buffers' check cannot see.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from ._dispatch import MOVES
 from ._packing import views_of
 from ._validate import kind_name
+from .faults import debug
 from .work import Work, WorkGroup
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_coalesced", "Bucket", "Plan", "Staging",
@@ -109,6 +111,8 @@ def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
         raise comm.parts.checks.fail(ValueError, name, f"bucket_bytes must be a positive "
                                                        f"int, got {bucket_bytes!r}")
     runs, natives, xp = _runs(comm, name, arrays, op, limit)
+    if comm.debug:
+        debug.check_list(comm, name, natives, op=op, bucket_bytes=limit)
     with _device_of(comm, xp):
         return _all_reduce_runs(comm, name, arrays, runs, natives, xp, op, async_op)
 
@@ -213,7 +217,9 @@ class Bucket:
         #: The arrays as views of the bucket's buffers; use these in place of the originals.
         self.arrays: List[Any] = views
 
-    def _each(self, call) -> Union[List[Any], Work]:
+    def _each(self, name: str, call, **arguments: Any) -> Union[List[Any], Work]:
+        if self._comm.debug:
+            debug.check_list(self._comm, name, self.arrays, **arguments)
         works = [call(flat) for flat in self.flats]
         if works and isinstance(works[0], Work):
             return WorkGroup(works, self.arrays, f"bucket of {len(self.arrays)} arrays")
@@ -223,11 +229,15 @@ class Bucket:
         """All-reduce every array of the bucket: one call per dtype. Returns ``arrays``."""
         for flat in self.flats:   # op against every dtype first: all calls are made, or none
             self._comm.parts.router.route("bucket.all_reduce", "op", flat, op)
-        return self._each(lambda flat: self._comm.all_reduce(flat, op=op, async_op=async_op))
+        return self._each("bucket.all_reduce",
+                          lambda flat: self._comm.all_reduce(flat, op=op, async_op=async_op),
+                          op=op)
 
     def broadcast(self, root: int = 0, async_op: bool = False) -> Union[List[Any], Work]:
         """Root's values of every array of the bucket everywhere: one call per dtype."""
-        return self._each(lambda flat: self._comm.broadcast(flat, root, async_op=async_op))
+        return self._each("bucket.broadcast",
+                          lambda flat: self._comm.broadcast(flat, root, async_op=async_op),
+                          root=root)
 
     def __repr__(self) -> str:
         return f"<cupycomm.Bucket of {len(self.arrays)} arrays in {len(self.flats)} buffers>"

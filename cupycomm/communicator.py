@@ -43,6 +43,9 @@ _SUM = "sum"
 # that an unhashable op, or one whose == is not a bool, reaches the general path's error.
 _OP_TYPES = (str, ReduceOp)
 _HOST = np.ndarray   # arrays of exactly this type may take the prepared calls
+# Whether out and x may overlap (the general path refuses them, or takes another view of x's
+# memory as in place), asked only of views: arrays that own their memory (base None) never do.
+_SHARES = np.may_share_memory
 
 
 class Communicator:
@@ -161,7 +164,8 @@ class Communicator:
                 and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
-                     and out.flags.carray)):
+                     and out.flags.carray
+                     and (out is x or x.base is None is out.base or not _SHARES(x, out)))):
             run = (self._started if async_op else self._blocking).all_reduce[x.dtype][op]
             if run is not None:
                 return run(x, x if out is None else out)
@@ -182,7 +186,8 @@ class Communicator:
                 and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
-                     and out.flags.carray)):
+                     and out.flags.carray
+                     and (out is x or x.base is None is out.base or not _SHARES(x, out)))):
             run = (self._started if async_op else self._blocking).reduce[x.dtype][op]
             if run is not None:
                 return run(x, (x if out is None else out) if root == self.rank else None, root)
@@ -216,7 +221,8 @@ class Communicator:
         """
         if (type(x) is _HOST and stream is None and x.flags.c_contiguous
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
-                     and out.shape in self._joined[x.shape] and out.flags.carray)):
+                     and out.shape in self._joined[x.shape] and out.flags.carray
+                     and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
             run = (self._started if async_op else self._blocking).all_gather[x.dtype]
             if run is not None:
                 return run(x, np.empty(self._joined[x.shape][0], x.dtype) if out is None
@@ -237,7 +243,8 @@ class Communicator:
                 and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
                 and x.flags.c_contiguous and (part := self._part_shapes[x.shape]) is not None
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
-                     and out.shape == part and out.flags.carray)):
+                     and out.shape == part and out.flags.carray
+                     and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
             run = (self._started if async_op else self._blocking).reduce_scatter[x.dtype][op]
             if run is not None:
                 return run(x, np.empty(part, x.dtype) if out is None else out)
@@ -261,7 +268,8 @@ class Communicator:
                 and out_splits is None and x.flags.c_contiguous and x.ndim
                 and not x.shape[0] % self.size
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
-                     and out.shape == x.shape and out.flags.carray)):
+                     and out.shape == x.shape and out.flags.carray
+                     and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
             run = (self._started if async_op else self._blocking).all_to_all[x.dtype]
             if run is not None:
                 return run(x, np.empty(x.shape, x.dtype) if out is None else out)
@@ -282,7 +290,8 @@ class Communicator:
                 and 0 <= root < self.size and out.flags.carray
                 and (x is None and root != self.rank
                      or type(x) is _HOST and x.dtype is out.dtype
-                     and x.shape in self._joined[out.shape] and x.flags.c_contiguous)):
+                     and x.shape in self._joined[out.shape] and x.flags.c_contiguous
+                     and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
             run = (self._started if async_op else self._blocking).scatter[out.dtype]
             if run is not None:
                 return run(x if root == self.rank else None, out, root)
@@ -301,7 +310,8 @@ class Communicator:
         if (type(x) is _HOST and stream is None and type(root) is int
                 and 0 <= root < self.size and x.flags.c_contiguous
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
-                     and out.shape in self._joined[x.shape] and out.flags.carray)):
+                     and out.shape in self._joined[x.shape] and out.flags.carray
+                     and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
             run = (self._started if async_op else self._blocking).gather[x.dtype]
             if run is not None:
                 if root != self.rank:

@@ -43,7 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
-from . import devices
+from . import _private as private, devices
 from ._bootstrap import node_name
 from .backends.nccl import library_version
 from .bench.cli import Options
@@ -434,7 +434,7 @@ def run(comm: cupycomm.Communicator, path: str, *, device_module: Any = None,
         say(f"NO GPU FOUND ({found['gpu']['why']}): only the host lines ran")
     counts = found["summary"]
     if comm.rank == 0:
-        with open(path, "w") as out:
+        with private.replacing(path, permissions=0o666) as out:   # reports: the umask's mode
             json.dump(found, out, indent=1)
             out.write("\n")
     say(f"{counts['pass']} passed, {counts['fail']} failed, {counts['not run']} not run; "

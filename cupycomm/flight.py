@@ -2,7 +2,9 @@
 (``CUPYCOMM_FLIGHT_RECORDER=DIR``) into one block saying where each rank was.
 
 It runs outside the job, after it or beside it. The ranks write the files
-(:mod:`cupycomm.faults.flight`); each group of ranks in one place is one line. Example::
+(:mod:`cupycomm.faults.flight`); each group of ranks in one place is one line. Only this
+user's files are read: a link, a FIFO or another user's file under a rank's name is refused,
+named (exit status 2). Example::
 
     $ python -m cupycomm.flight /tmp/flight --calls
     cupycomm flight recorder: 4 ranks, communicator world
@@ -19,18 +21,23 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import _private as private
+from .errors import SharedFileRefused
 from .faults.flight import summarize
 
 __all__ = ["read", "main"]
 
 
 def read(directory: str) -> List[Dict[str, Any]]:
-    """The ranks' files in ``directory`` (``rank-<r>.json``), by rank."""
-    states = []
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("rank-") and name.endswith(".json"):
-            with open(os.path.join(directory, name)) as f:
-                states.append(json.load(f))
+    """The ranks' files in ``directory`` (``rank-<r>.json``), by rank; each only if it is
+    this user's (SharedFileRefused: one another user planted or may have changed)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        states = [json.loads(private.read_own(fd, name, directory))
+                  for name in sorted(os.listdir(fd))
+                  if name.startswith("rank-") and name.endswith(".json")]
+    finally:
+        os.close(fd)
     return sorted(states, key=lambda s: s["rank"])
 
 
@@ -45,7 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         states = read(args.directory)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SharedFileRefused) as error:
         print(f"python -m cupycomm.flight: cannot read {args.directory}: {error}",
               file=sys.stderr)
         return 2

@@ -126,3 +126,31 @@ def test_bucket_checks_the_op_against_every_dtype_before_any_call(lib, comm):
     assert_equal(lib, bucket.arrays[0], np.full(2, comm.rank + 1.0))   # not averaged
     bucket.all_reduce(op="max")
     assert_equal(lib, bucket.arrays[0], np.full(2, float(comm.size)))
+
+
+@pytest.mark.parametrize("call", ["all_reduce_coalesced", "bucket.all_reduce",
+                                  "bucket.broadcast"])
+def test_debug_mode_checks_each_array_of_the_list_across_ranks(lib, call):
+    # Rank 1 (and every odd rank) lists 3 then 2 elements where the others list 2 then 3:
+    # the packed buffers agree (5 float64), so only the list's own check can see it; before
+    # it, debug mode passed and the arrays came back with their elements mixed.
+    comm = lib.comm(debug=True)
+    try:
+        sizes = [3, 2] if comm.rank % 2 else [2, 3]
+        arrays = [lib.array(np.full(n, 10.0 ** i)) for i, n in enumerate(sizes)]
+        run = {"all_reduce_coalesced": lambda: comm.all_reduce_coalesced(arrays),
+               "bucket.all_reduce": lambda: comm.bucket(arrays).all_reduce(),
+               "bucket.broadcast": lambda: comm.bucket(arrays).broadcast(0)}[call]
+        if comm.size == 1:
+            run()   # nobody to disagree with
+            return
+        seq = comm.parts.tracker.seq
+        with pytest.raises(cupycomm.CollectiveMismatch,
+                           match=rf"{call} #\d+: ranks disagree: (.*; )?rank 1 called {call} "
+                                 rf"with arrays: \[3 float64 \(\w+\), 2 float64 \(\w+\)\]"):
+            run()
+        assert comm.parts.tracker.seq == seq, "the collective started despite the disagreement"
+        same = [lib.array(np.full(n, 1.0)) for n in (2, 3)]
+        assert_equal(lib, comm.all_reduce_coalesced(same)[1], np.full(3, float(comm.size)))
+    finally:
+        comm.close()

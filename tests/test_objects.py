@@ -1,4 +1,6 @@
 """Object collectives: pickled Python objects, small and larger than 64 MiB."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -62,3 +64,36 @@ def test_debug_mode_checks_object_collectives_by_name_and_root():
         if comm.size > 1:
             with pytest.raises(cupycomm.CollectiveMismatch, match="ranks disagree"):
                 comm.gather_object(comm.rank, root=comm.rank % 2)
+
+
+@pytest.mark.parametrize("call", ["broadcast_object", "all_gather_object", "gather_object",
+                                  "scatter_object"])
+def test_a_pickling_error_raises_before_the_call_and_the_peers_go_on(call):
+    # Rank 0's object cannot be pickled; it catches the error and calls again, which must be
+    # the call its peers wait in: nothing was counted, sent or matched (the lock's own
+    # TypeError named the object only; the tag of pkl5's call was taken; scatter had sent
+    # rank 0's part). On today's code the peers hung until the timeout.
+    with cupycomm.init(cupycomm.communicator.MPI.COMM_WORLD, timeout=30) as comm:
+        def run(obj):
+            if call == "scatter_object":
+                return comm.scatter_object([obj] * comm.size if comm.rank == 0 else None)
+            if call == "broadcast_object":
+                return comm.broadcast_object(obj if comm.rank == 0 else None)
+            return getattr(comm, call)(obj)
+
+        if comm.rank == 0:
+            seq = comm.parts.tracker.seq
+            objs = ([comm.rank] * (comm.size - 1) + [threading.Lock()]
+                    if call == "scatter_object" else threading.Lock())
+            with pytest.raises(TypeError, match=rf"{call}: (obj|objs\[{comm.size - 1}\]) "
+                                                rf"cannot be pickled \(TypeError: cannot pickle "
+                                                rf"'_thread.lock' object\) on rank 0"):
+                if call == "scatter_object":
+                    comm.scatter_object(objs)
+                else:
+                    getattr(comm, call)(objs)
+            assert comm.parts.tracker.seq == seq
+        got = run(7)
+        assert got == {"broadcast_object": 7, "scatter_object": 7,
+                       "all_gather_object": [7] * comm.size,
+                       "gather_object": [7] * comm.size if comm.rank == 0 else None}[call]

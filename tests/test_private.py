@@ -22,6 +22,7 @@ import weakref
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import cupycomm
 from cupycomm import _bootstrap
@@ -418,7 +419,121 @@ def test_a_whole_file_write_follows_no_link_planted_at_its_names(tmp_path):
     assert precious.read_bytes() == PRECIOUS
     assert not record.is_symlink() and record.read_text() == '{"state": "running"}'
     assert stat.S_IMODE(record.stat().st_mode) == 0o600
-    assert not os.path.lexists(f"{record}.{os.getpid()}")
+    assert os.readlink(f"{record}.{os.getpid()}") == str(precious)   # not the writer's: left
+
+
+# -- files at paths the user named: one writer (_private.replacing) -------------------------------
+def _shared(tmp_path):
+    """A directory like /tmp: everyone's, sticky."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    return shared
+
+
+def _plant_link(at, target):
+    """A link at ``at`` to ``target``, another user's (nobody's) where this is root."""
+    os.symlink(target, at)
+    if AS_ROOT:
+        os.lchown(at, NOBODY, NOBODY)
+
+
+@pytest.mark.mpi(max_size=1)
+def test_a_partial_name_planted_for_this_pid_does_not_stop_a_write(tmp_path):
+    """The partial file's name was the path and the pid: another user who planted something
+    there that the writer cannot remove (a directory, here; their file in a sticky directory)
+    made every write of that process fail at its very end. Now the name is random."""
+    shared = _shared(tmp_path)
+    record = shared / "rank-0.json"
+    for name in (f"{record}.{os.getpid()}", f"{record}.{os.getpid()}.tmp"):
+        os.mkdir(name)
+        if AS_ROOT:
+            os.chown(name, NOBODY, NOBODY)
+    private.replace_file(str(record), "{}")
+    with private.replacing(str(record)) as out:
+        out.write('{"state": "ended"}')
+    assert record.read_text() == '{"state": "ended"}'
+    assert sorted(p.name for p in shared.iterdir()) == sorted(
+        ["rank-0.json", f"rank-0.json.{os.getpid()}", f"rank-0.json.{os.getpid()}.tmp"])
+
+
+@pytest.mark.mpi(max_size=1)
+def test_a_report_follows_no_link_planted_at_its_name(tmp_path, monkeypatch):
+    """``python -m cupycomm --report PATH``: its check that PATH can be written opened PATH
+    for appending and the report itself opened it for writing, both through a link there
+    (another user's, in a shared directory such as /tmp), replacing its target."""
+    from cupycomm import __main__, fieldtest
+    precious = tmp_path / "checkpoint"
+    precious.write_bytes(PRECIOUS)
+    report = _shared(tmp_path) / "cupycomm-report.json"
+    _plant_link(report, precious)
+    found = {"versions": {}, "topology": {"nodes": 1, "gpus_per_node": [0],
+                                          "ranks_per_gpu": {}},
+             "gpu": {"found": False, "why": "none"}, "exit_status": 3,
+             "summary": {"pass": 1, "fail": 0, "not run": 0}}
+    monkeypatch.setattr(fieldtest, "report", lambda comm, **kwargs: found)
+    with cupycomm.init(MPI.COMM_SELF) as comm:
+        assert __main__._writable(str(report), comm.mpi_comm) == ""
+        assert fieldtest.run(comm, str(report)) == 3
+    assert precious.read_bytes() == PRECIOUS
+    assert not report.is_symlink() and json.loads(report.read_text()) == found
+
+
+@pytest.mark.mpi(max_size=1)
+@needs_root
+def test_a_link_of_another_user_on_the_way_to_a_named_directory_is_refused(tmp_path, capsys):
+    """CUPYCOMM_FLIGHT_RECORDER=DIR where another user planted DIR as a link to a directory
+    of this user's (root's): the recorder made DIR (os.makedirs took the link) and wrote
+    through it. Now no link of another user is followed, and the refusal is named."""
+    from cupycomm.faults.flight import Recorder
+    target = tmp_path / "root-owned"
+    target.mkdir()
+    planted = _shared(tmp_path) / "flight"
+    _plant_link(planted, target)
+    recorder = Recorder("world", 0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUPYCOMM_FLIGHT_RECORDER", str(planted / "records"))
+        recorder.close()   # writes its file a last time
+    assert list(target.iterdir()) == []
+    err = capsys.readouterr().err
+    assert (f"cupycomm flight recorder: could not write {planted}/records: {planted} is a "
+            f"symbolic link of uid {NOBODY}" in err), err
+    _refused(planted, target, rf"{planted} is a symbolic link of uid {NOBODY}, not this "
+                              rf"user's \(uid 0\) or root's: refused")
+
+
+def _refused(directory, written, pattern):
+    """A file at ``directory`` is refused, saying ``pattern``; nothing lands in ``written``."""
+    with pytest.raises(SharedFileRefused, match=pattern):
+        private.replace_file(str(directory / "rank-0.json"), "{}")
+    assert list(written.iterdir()) == []
+
+
+@pytest.mark.mpi(max_size=1)
+@needs_root
+@pytest.mark.parametrize("mode", [0o755, 0o1777])
+def test_a_directory_of_another_user_is_refused(tmp_path, mode):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chmod(theirs, mode)
+    os.chown(theirs, NOBODY, NOBODY)
+    _refused(theirs, theirs, rf"{theirs} is a directory owned by uid {NOBODY} with mode "
+                             rf"{mode:04o}, expected one of this user's \(uid 0\) or root's")
+
+
+@pytest.mark.mpi(max_size=1)
+def test_a_directory_everyone_may_change_is_refused_unless_sticky(tmp_path):
+    """In a directory that every user may write, without the sticky bit (which /tmp has),
+    anyone could rename a file written there away and put theirs in its place."""
+    everyone = tmp_path / "everyone"
+    everyone.mkdir()
+    os.chmod(everyone, 0o777)
+    _refused(everyone, everyone, rf"{everyone} is a directory owned by uid {os.getuid()} "
+                                 rf"with mode 0777, expected one .* that no other user may "
+                                 rf"change")
+    os.chmod(everyone, 0o1777)
+    private.replace_file(str(everyone / "rank-0.json"), "{}")
+    assert (everyone / "rank-0.json").read_text() == "{}"
 
 
 # -- the rule: no predictable path in a shared directory -------------------------------------------

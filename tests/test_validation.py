@@ -81,6 +81,27 @@ def cases():
          ValueError, r"x has shape \(\d+,\), expected \(\d+, 4\) or \(\d+,\)"),
         ("scatter-out-missing", lambda c, lib: c.scatter(a(lib), 0), TypeError,
          "missing 1 required keyword-only argument: 'out'"),
+        ("all-gather-out-holds-x", lambda c, lib: (lambda w: c.all_gather(w[0:4], out=w))(
+            a(lib, (4 * c.size,))), ValueError,
+         r"all_gather: out overlaps x \(they share memory\); give out memory of its own on "
+         r"rank \d"),
+        ("reduce-scatter-out-in-x", lambda c, lib: (lambda x: c.reduce_scatter(x, out=x[0:2]))(
+            a(lib, (2 * c.size,))), ValueError, "reduce_scatter: out overlaps x"),
+        ("all-reduce-out-overlaps-x", lambda c, lib: (lambda w: c.all_reduce(
+            w[0:4], out=w[2:6]))(a(lib, (6,))), ValueError,
+         r"all_reduce: out overlaps x \(they share memory\); give out memory of its own, or "
+         r"pass x itself \(or out=None\) to reduce in place"),
+        ("reduce-out-overlaps-x", lambda c, lib: (lambda w: c.reduce(w[1:5], 0, out=w[0:4]))(
+            a(lib, (6,))), ValueError, "reduce: out overlaps x"),
+        ("all-to-all-out-is-x", lambda c, lib: (lambda x: c.all_to_all(x, out=x))(
+            a(lib, (2 * c.size,))), ValueError, "all_to_all: out overlaps x"),
+        ("uneven-all-to-all-out-is-x", lambda c, lib: (lambda x: c.all_to_all(
+            x, out=x, in_splits=[2] * c.size, out_splits=[2] * c.size))(
+            a(lib, (2 * c.size,))), ValueError, "all_to_all: out overlaps x"),
+        ("gather-out-holds-x", lambda c, lib: (lambda w: c.gather(w[0:4], 0, out=w))(
+            a(lib, (4 * c.size,))), ValueError, "gather: out overlaps x"),
+        ("scatter-x-holds-out", lambda c, lib: (lambda w: c.scatter(w, 0, out=w[0:4]))(
+            a(lib, (4 * c.size,))), ValueError, "scatter: x overlaps out"),
         ("op-unknown", lambda c, lib: c.all_reduce(a(lib), op="mean"), ValueError,
          r"op must be one of 'sum', 'prod', 'min', 'max', 'avg' or a ReduceOp, got 'mean'"),
         ("op-unhashable", lambda c, lib: c.all_reduce(a(lib), op=["sum"]), ValueError,
@@ -213,3 +234,23 @@ def test_uneven_all_to_all_refuses_a_wrong_out_on_every_rank(lib, comm):
     x = lib.array(np.full(comm.size, float(comm.rank)))
     got = comm.all_to_all(x, in_splits=[1] * comm.size, out=lib.empty((rows,), F8))
     assert_equal(lib, got, np.arange(comm.size, dtype=F8))
+
+
+@pytest.mark.parametrize("call", ["all_reduce", "reduce"])
+def test_out_the_same_view_as_x_reduces_in_place(lib, comm, call):
+    """out=x[:] (another view of x's very memory) is the in-place form, as out=x is (MPICH
+    refused such a pair as aliased buffers)."""
+    x = lib.array(rank_input(comm.rank, (3,), F8))
+    got = (comm.all_reduce(x, out=x[:]) if call == "all_reduce"
+           else comm.reduce(x, 0, out=x[:]))
+    if call == "all_reduce" or comm.rank == 0:
+        assert_equal(lib, got, all_inputs(comm.size, (3,), F8).sum(0))
+        assert_equal(lib, x, all_inputs(comm.size, (3,), F8).sum(0))
+
+
+def test_an_uneven_all_to_all_refuses_out_overlapping_x_before_its_exchange(lib, comm):
+    x = lib.array(np.ones(2 * comm.size))
+    seq = comm.parts.tracker.seq
+    with pytest.raises(ValueError, match="all_to_all: out overlaps x"):
+        comm.all_to_all(x, out=x, in_splits=[2] * comm.size)
+    assert comm.parts.tracker.seq == seq

@@ -9,7 +9,6 @@ the run's metadata (machine, versions, world size, date, command), so each row s
 """
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import json
@@ -20,12 +19,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, cast
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, cast
 
 import numpy as np
 from mpi4py import MPI
 
 import cupycomm
+from .. import _private as private
 
 __all__ = ["Row", "OUT_OF_PLACE", "IN_PLACE", "SUMMARY_FROM", "bandwidths", "human_size",
            "load_average", "format_table", "Versus", "versus", "format_versus", "environment",
@@ -263,31 +263,18 @@ def _records(meta: Dict[str, Any], rows: Sequence[Row]) -> List[Dict[str, Any]]:
     return [{**meta, **dataclasses.asdict(row)} for row in rows]
 
 
-@contextlib.contextmanager
-def replacing(path: str, mode: str = "w", **kwargs: Any) -> Iterator[Any]:
-    """A new file beside ``path``, renamed to ``path`` once written: a run that fails midway
-    leaves the file it would have replaced as it was, never an empty or partial one. The new
-    file is created, never opened if it is there (``O_EXCL | O_NOFOLLOW``): in a directory
-    others can write, such as /tmp, a link planted under its name is not followed.
+def replacing(path: str, mode: str = "w", **kwargs: Any) -> ContextManager[Any]:
+    """A file object whose text replaces ``path`` once written: the package's one writer of
+    files at paths the user named (:func:`cupycomm._private.replacing`: a run that fails
+    midway leaves the file it would have replaced as it was, nothing planted beside it or at
+    its name is followed or stops it), with the mode a new file takes by the umask.
 
     Example::
 
         with replacing("rows.csv", newline="") as out:
             out.write("size,time\\n")
     """
-    partial = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.unlink(partial)   # one this process left before (a link is removed, not followed)
-    except FileNotFoundError:
-        pass
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-    try:
-        with os.fdopen(fd, mode, **kwargs) as out:
-            yield out
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+    return private.replacing(path, mode, permissions=0o666, **kwargs)
 
 
 def write_csv(path: str, meta: Dict[str, Any], rows: Sequence[Row]) -> None:

@@ -7,7 +7,9 @@ dtype, size and contiguity (``x``; scatter's ``out``: what every rank passes ali
 other arguments (op, root, a new group's ranks). Arguments that may differ by rank are left
 out: ``out`` (where a rank puts its result is its own affair), arguments only the root
 reads (scatter's ``x``), async_op, stream and the objects of object collectives. Point-to-
-point calls are not checked (only two ranks take part).
+point calls are not checked (only two ranks take part). Calls on a list of arrays
+(``all_reduce_coalesced``, a bucket's calls) compare each array of the list, in order
+(:func:`check_list`): their packed buffers can agree where the lists do not.
 Cost: building the fingerprint and one allgather of its 8-byte checksum per collective;
 the whole fingerprints travel only when the checksums differ (docs/guide/debug-mode.md gives
 the measured figure).
@@ -24,13 +26,13 @@ import functools
 import inspect
 import math
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 
 from .._collectives import CHECKED
 from ..errors import CollectiveMismatch
 
-__all__ = ["install", "fingerprint"]
+__all__ = ["install", "fingerprint", "check_list"]
 
 _ARRAYS = ("x", "out")   # array arguments: only the data argument counts
 _IGNORED = ("self", "async_op", "stream", "obj", "objs")   # objects may differ by rank
@@ -57,7 +59,7 @@ def _array_print(value: Any, with_size: bool = True) -> Any:
 def _array_text(print_: Any) -> str:
     if isinstance(print_, str):
         return print_
-    if print_ and isinstance(print_[0], tuple):
+    if not print_ or isinstance(print_[0], tuple):
         return "[" + ", ".join(_array_text(p) for p in print_) + "]"
     library, dtype, size, contiguous = print_
     count = "" if size is None else f"{size} "
@@ -85,7 +87,7 @@ def fingerprint(name: str, arguments: Dict[str, Any]) -> Tuple:
 
 def _text(print_: Tuple) -> str:
     name, parts = print_
-    described = ", ".join(f"{k}: {_array_text(v) if k in _ARRAYS else v}" for k, v in parts)
+    described = ", ".join(f"{k}: {_array_text(v)}" for k, v in parts)   # others are text
     return f"{name} with {described}" if parts else name
 
 
@@ -121,18 +123,36 @@ def _checked(comm: Any, name: str, method: Callable) -> Callable:
         given = dict(zip(names, args), **kwargs)
         arguments = {n: given[n] if n in given else defaults[n] for n in names
                      if n in given or n in defaults}
-        print_ = fingerprint(name, arguments)
-        splits = tuple(arguments.get(key) for key in _SPLITS)
-        # Ranks compare a checksum in one small allgather; only on a difference (or when
-        # uneven splits are given, which only the whole exchange can cross-check) do they
-        # exchange the whole fingerprints, to say who differs and how.
-        checksum = zlib.crc32(repr(print_).encode())
-        checksums = comm.parts.router.host.gather_ints([checksum], "debug check")
-        if (checksums != checksum).any() or splits != (None, None):
-            gathered = comm.parts.router.host.gather_objects((print_, splits), "debug check")
-            _raise_on_disagreement(comm, name, print_, gathered)
+        _compare(comm, name, fingerprint(name, arguments),
+                 tuple(arguments.get(key) for key in _SPLITS))
         return method(*args, **kwargs)
     return call
+
+
+def check_list(comm: Any, name: str, arrays: Sequence[Any], **arguments: Any) -> None:
+    """Debug mode's check of call ``name`` on a list of ``arrays`` (and ``arguments``, such
+    as the op): each array's library, dtype, size and contiguity, in order, must agree across
+    ranks; else CollectiveMismatch on every rank, naming who differs. Collective.
+
+    Example::
+
+        check_list(comm, "all_reduce_coalesced", grads, op="sum")
+    """
+    comm.parts.checks.check_open(name)
+    _compare(comm, name, (name, (("arrays", _array_print(list(arrays))),)
+                          + tuple((key, str(value)) for key, value in arguments.items())))
+
+
+def _compare(comm: Any, name: str, print_: Tuple, splits: Tuple = (None, None)) -> None:
+    """Raise CollectiveMismatch on every rank unless every rank's ``print_`` (and
+    ``splits``) agree. Ranks compare a checksum in one small allgather; only on a difference
+    (or when uneven splits are given, which only the whole exchange can cross-check) do they
+    exchange the whole fingerprints, to say who differs and how."""
+    checksum = zlib.crc32(repr(print_).encode())
+    checksums = comm.parts.router.host.gather_ints([checksum], "debug check")
+    if (checksums != checksum).any() or splits != (None, None):
+        gathered = comm.parts.router.host.gather_objects((print_, splits), "debug check")
+        _raise_on_disagreement(comm, name, print_, gathered)
 
 
 def _raise_on_disagreement(comm: Any, name: str, mine: Tuple, gathered: List[Tuple]) -> None:

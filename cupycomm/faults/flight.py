@@ -46,6 +46,7 @@ from .. import _env
 from .._bootstrap import node_name
 from .._collectives import CALLS
 from .. import _private as private
+from ..errors import SharedFileRefused
 
 __all__ = ["Recorder", "summarize", "report_all", "install_signal", "report_signal",
            "DUMP_AFTER", "DUMP_EVERY", "REPORT_WINDOW"]
@@ -182,12 +183,11 @@ class Recorder:
             return
         self._dumped = time.time()
         try:
-            os.makedirs(directory, exist_ok=True)
             prefix = "" if self.name == "world" else "".join(
                 c if c.isalnum() else "_" for c in self.name) + "."
             path = os.path.join(directory, f"{prefix}rank-{self.rank}.json")
-            private.replace_file(path, json.dumps(self.state()))
-        except OSError as error:
+            private.replace_file(path, json.dumps(self.state()), make=True)
+        except (OSError, SharedFileRefused) as error:
             sys.stderr.write(f"cupycomm flight recorder: could not write {directory}: {error}\n")
 
 

@@ -19,17 +19,17 @@ states in ``stray-<host>-<pid>.json`` (a singleton, where the launcher and the M
 form one world; a program a rank started), so that ``cupycomm.run`` can tell singletons from
 a program that never called ``init()``. Processes not started by ``cupycomm.run`` (the
 variable unset) write nothing. Each write replaces the file whole, so a reader never sees
-half a record.
+half a record. The launcher side holds the directory by its descriptor
+(:class:`JobDirectory`), so that one swapped in under its name is never read.
 
 Example (what the launcher side reads after the job)::
 
-    records = read(job_directory, 4)   # one dict per rank, or None where none was written
-    records[2]["state"]                # 'running': rank 2 never reached its end
+    records = job_directory.read(4)   # one dict per rank, or None where none was written
+    records[2]["state"]               # 'running': rank 2 never reached its end
 """
 from __future__ import annotations
 
 import atexit
-import glob
 import json
 import os
 import socket
@@ -38,9 +38,10 @@ from typing import List, Optional, Sequence
 
 from .. import _bootstrap, _env
 from .. import _private as private
+from ..errors import SharedFileRefused
 
-__all__ = ["start", "record", "note_survived", "read", "read_strays", "RUNNING", "ENDED",
-           "RAISED", "ABORTED"]
+__all__ = ["start", "record", "note_survived", "JobDirectory", "RUNNING", "ENDED", "RAISED",
+           "ABORTED"]
 
 RUNNING, ENDED, RAISED, ABORTED = "running", "ended", "raised", "aborted"
 
@@ -83,7 +84,8 @@ def record(state: str, detail: str = "") -> None:
                        "survived": _survived})
     try:
         private.replace_file(_path, text)
-    except OSError as error:   # the directory is gone (the launcher ended): say so, go on
+    except (OSError, SharedFileRefused) as error:   # gone (the launcher ended), or not the
+        # job's (another user's in its place): say so, go on
         sys.stderr.write(f"cupycomm: could not record this rank's end in {_path}: {error}\n")
 
 
@@ -105,25 +107,41 @@ def _at_exit() -> None:
         record(ENDED)
 
 
-def read(directory: str, size: int) -> List[Optional[dict]]:
-    """The records of world ranks ``0 .. size - 1`` in ``directory`` (None: none written)."""
-    records: List[Optional[dict]] = []
-    for rank in range(size):
-        try:
-            with open(_record_path(directory, rank)) as f:
-                records.append(json.load(f))
-        except (OSError, ValueError):
-            records.append(None)
-    return records
+class JobDirectory:
+    """The job's directory as ``cupycomm.run`` holds it: ``path`` (the ranks'
+    ``CUPYCOMM_RUN_DIR``), open by its descriptor from its making to its removal and checked
+    there (this user's, mode 0700: :func:`cupycomm._private.hold_directory`), so that a
+    directory swapped in under its name (where others may write its parent) is never read;
+    each record is read only if it is this user's.
 
+    Example::
 
-def read_strays(directory: str) -> List[dict]:
-    """The stray records in ``directory``: processes whose world was not of the job's size."""
-    strays = []
-    for path in sorted(glob.glob(os.path.join(directory, "stray-*.json"))):
+        job = JobDirectory(tempfile.mkdtemp(prefix=".cupycomm-run-"))
+        job.read(2)   # [None, None] until the ranks' init() writes their records
+        job.remove()
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = private.hold_directory(path)
+
+    def _record(self, name: str) -> Optional[dict]:
         try:
-            with open(path) as f:
-                strays.append(json.load(f))
-        except (OSError, ValueError):
-            pass
-    return strays
+            return json.loads(private.read_own(self._fd, name, self.path))
+        except (OSError, ValueError, SharedFileRefused):   # none, half, or not this user's
+            return None
+
+    def read(self, size: int) -> List[Optional[dict]]:
+        """The records of world ranks ``0 .. size - 1`` (None: none written)."""
+        return [self._record(_record_path("", rank)) for rank in range(size)]
+
+    def read_strays(self) -> List[dict]:
+        """The stray records: processes whose world was not of the job's size."""
+        found = (self._record(name) for name in sorted(os.listdir(self._fd))
+                 if name.startswith("stray-") and name.endswith(".json"))
+        return [record for record in found if record is not None]
+
+    def remove(self) -> None:
+        """Remove the directory and its records; let go of it."""
+        private.remove(self.path, self._fd)
+        os.close(self._fd)

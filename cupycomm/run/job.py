@@ -8,7 +8,9 @@ every rank must have recorded its end, or the status is non-zero and one line on
 which rank did not finish and why. Processes that called ``init()`` in a world of another
 size (singletons: srun without ``--mpi=pmi2``, an ``mpiexec`` of another MPI) leave stray
 records, and make the status non-zero whatever the launcher said; only a program that never
-calls ``init()`` keeps the launcher's status. The directory is removed afterwards.
+calls ``init()`` keeps the launcher's status. The directory is held by its descriptor
+(:class:`~cupycomm.run.exit_records.JobDirectory`): one swapped in under its name is never
+read. It is removed afterwards.
 
 One failure is the launcher's and not the job's: MPICH's hydra with ``-disable-auto-cleanup``
 on several nodes signals the other nodes' proxies at each rank's exit, and fails (status 255,
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -44,6 +45,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._private import alive
+from ..errors import SharedFileRefused
 from . import exit_records, launchers
 
 __all__ = ["Options", "UsageError", "parse", "verdict", "main", "USAGE", "GRACE",
@@ -197,7 +199,8 @@ class _Forwarder:
             self.signal = signum
         self._arrived += 1
 
-    def wait(self, child: subprocess.Popen, directory: str, size: int) -> int:
+    def wait(self, child: subprocess.Popen, directory: exit_records.JobDirectory,
+             size: int) -> int:
         """``child``'s exit status, once it has ended. The first signal is forwarded to it; a
         second one, GRACE s without an end after the first, or LOST_GRACE s after a rank of
         this host died without recording its end (its peers could wait in ``MPI_Finalize``
@@ -212,7 +215,7 @@ class _Forwarder:
                 _send(os.kill, child.pid, self.signal)
             if lost_at is None and now >= next_look:
                 next_look = now + 1.0
-                self.died = _died_here(exit_records.read(directory, size))
+                self.died = _died_here(directory.read(size))
                 if self.died and not self._survivors:
                     lost_at = now
             if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
@@ -373,13 +376,13 @@ def _recovered(records: Sequence[Optional[dict]], by_state: Dict[str, List[dict]
             f"finished")
 
 
-def _job_directory(parent: Optional[str]) -> str:
+def _job_directory(parent: Optional[str]) -> exit_records.JobDirectory:
     where = parent or os.getcwd()
     if not os.access(where, os.W_OK):
         if parent:
             raise UsageError(f"--job-dir {parent!r} is not a writable directory")
         where = tempfile.gettempdir()
-    return tempfile.mkdtemp(prefix=".cupycomm-run-", dir=where)
+    return exit_records.JobDirectory(tempfile.mkdtemp(prefix=".cupycomm-run-", dir=where))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -394,10 +397,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as why:
         sys.stderr.write(f"{USAGE}\ncupycomm.run: {why}\n" if str(why) else USAGE)
         return 2 if str(why) else 0
-    except FileNotFoundError as why:
+    except (FileNotFoundError, SharedFileRefused) as why:
         sys.stderr.write(f"cupycomm.run: {why}\n")
         return 2
-    variables = {"CUPYCOMM_RUN_DIR": directory, "CUPYCOMM_RUN_SIZE": str(options.n)}
+    variables = {"CUPYCOMM_RUN_DIR": directory.path, "CUPYCOMM_RUN_SIZE": str(options.n)}
     if options.timeout is not None:
         variables["CUPYCOMM_TIMEOUT"] = repr(options.timeout)
     if options.debug:
@@ -414,13 +417,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         returncode = forwarder.wait(child, directory, options.n)
         if stderr is not None:
             stderr.finish()
-        status, line = verdict(exit_records.read(directory, options.n), returncode,
+        status, line = verdict(directory.read(options.n), returncode,
                                os.path.basename(launcher.executable), forwarder.signal,
                                forwarder.died, stderr is not None and stderr.said,
-                               exit_records.read_strays(directory))
+                               directory.read_strays())
     finally:
         forwarder.restore()
-        shutil.rmtree(directory, ignore_errors=True)
+        directory.remove()
     if line:
         sys.stderr.write(line + "\n")
     return status

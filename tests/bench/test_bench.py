@@ -523,6 +523,18 @@ def test_a_link_planted_under_the_partial_files_name_is_not_followed(out_dir, tm
     assert path.read_text() == "a new run\n" and not path.is_symlink()
 
 
+def test_a_partial_name_planted_for_this_pid_does_not_lose_the_run(out_dir):
+    """The partial file was PATH.<pid>.tmp: another user who planted what this process cannot
+    remove there (their file in a shared sticky directory; a directory, here) made the run
+    fail at its very end, every result lost. The partial name is random now."""
+    path = out_dir / "rows.csv"
+    os.mkdir(f"{path}.{os.getpid()}.tmp")
+    with replacing(str(path)) as out:
+        out.write("a new run\n")
+    assert path.read_text() == "a new run\n"
+    assert sorted(p.name for p in out_dir.iterdir()) == ["rows.csv", f"rows.csv.{os.getpid()}.tmp"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--root", "64"], "--root 64 is not a rank"),
     (["nonsense"], "unknown collective"),

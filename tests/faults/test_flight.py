@@ -4,6 +4,7 @@ prints (an abort after a timeout, an uncaught exception, SIGUSR1/2), the per-ran
 """
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -113,6 +114,32 @@ def test_the_command_line_merges_the_files_of_every_rank(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cupycomm.flight", str(empty)],
                           capture_output=True, text=True, timeout=BOUND)
     assert done.returncode == 2 and "no rank-<r>.json in" in done.stderr
+
+
+@pytest.mark.mpi(max_size=1)
+@pytest.mark.skipif(os.getuid() != 0, reason="planting another user's (nobody's) files "
+                                             "needs root's chown")
+def test_the_command_line_refuses_files_another_user_planted(tmp_path):
+    """A directory others can write (here /tmp-like, sticky): another user's rank-1.json
+    there was printed as the job's; a FIFO under a rank's name hung the command."""
+    nobody = pwd.getpwnam("nobody").pw_uid
+    os.chmod(tmp_path, 0o1777)
+    for s in (state(0, "nodeA", 1, "all_reduce", 2), state(1, "nodeA", 1, "broadcast", 2)):
+        (tmp_path / f"rank-{s['rank']}.json").write_text(json.dumps(s))
+    os.chown(tmp_path / "rank-1.json", nobody, nobody)
+    done = subprocess.run([sys.executable, "-m", "cupycomm.flight", str(tmp_path)],
+                          capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert (f"python -m cupycomm.flight: cannot read {tmp_path}: {tmp_path}/rank-1.json is a "
+            f"regular file owned by uid {nobody} with mode 0644, expected one of this user's (uid 0) "
+            f"that no other user may write: refused" in done.stderr), done.stderr
+    os.chown(tmp_path / "rank-1.json", 0, 0)
+    os.mkfifo(tmp_path / "rank-2.json")
+    os.chown(tmp_path / "rank-2.json", nobody, nobody)
+    done = subprocess.run([sys.executable, "-m", "cupycomm.flight", str(tmp_path)],
+                          capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 2 and "rank-2.json is neither a file nor a directory owned by " \
+                                    f"uid {nobody}" in done.stderr, done.stderr
 
 
 def ended(job):

@@ -420,3 +420,33 @@ def test_srun_is_ended_with_sigterm_which_gives_its_allocation_back(tmp_path):
     assert stopped.read_text().strip() == "TERM"
     assert err.strip().splitlines()[-1].startswith("cupycomm.run: rank 2 (host "), err
     assert err.strip().endswith("srun exited 143"), err
+
+
+SWAPS = """
+import json, os, socket, sys, cupycomm
+comm = cupycomm.init()
+job = os.environ["CUPYCOMM_RUN_DIR"]   # another user who can write its parent does this:
+os.rename(job, job + ".away")          # the job's directory away, a forged one in its place
+os.mkdir(job, 0o700)
+with open(os.path.join(job, "rank-0.json"), "w") as f:
+    json.dump({"rank": 0, "size": 1, "node": socket.gethostname(), "pid": os.getpid(),
+               "host": socket.gethostname(), "state": "ended", "detail": "", "survived": []},
+              f)
+if os.getuid() == 0:
+    for path in (job, os.path.join(job, "rank-0.json")):
+        os.chown(path, 65534, 65534)
+os._exit(0)                            # the rank ends without finishing
+"""
+
+
+def test_a_job_directory_swapped_under_its_name_is_not_read(tmp_path):
+    """The directory is held by its descriptor from its making, and read there: a forged
+    directory under its name (its parent is the current directory, which others may be able
+    to write) said that rank 0 had ended, and the job that lost it exited 0."""
+    code, out, err = cupycomm_run(tmp_path, SWAPS, 1, "job.py")
+    assert code != 0, out + err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("cupycomm.run: rank 0 (host ") and "ended without finishing" in line
+    forged = [p for p in tmp_path.iterdir() if p.name.startswith(".cupycomm-run-")
+              and not p.name.endswith(".away")]
+    assert [p.name for p in forged[0].iterdir()] == ["rank-0.json"], "not ours to remove"
