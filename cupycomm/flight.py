@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from .faults.flight import summarize
+from .faults.flight import outcome, summarize
 
 __all__ = ["read", "main"]
 
@@ -59,8 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  {line}")
     if args.calls:
         for state in states:
-            calls = "; ".join(f"#{c['seq']} {c['call']} {c['backend']} "
-                              f"{'done' if c['completed'] else 'not done'}"
+            calls = "; ".join(f"#{c['seq']} {c['call']} {c['backend']} {outcome(c)}"
                               for c in state["calls"])
             print(f"  rank {state['rank']}: {calls or 'no calls'}")
     return 0
