@@ -131,6 +131,21 @@ def test_a_loss_that_only_device_collectives_see_is_ended_by_the_watchdog(tmp_pa
 
 
 @needs_ulfm
+def test_a_launch_after_nccls_asynchronous_error_raises_peer_lost_on_every_survivor(tmp_path):
+    """The survivors launch device all_reduces back to back after world rank 1 was killed:
+    the first one's kernel meets the loss (NCCL's asynchronous error, no MPI error), the
+    second launch returns that error (stand-in rule 22, NCCL's ncclCommEnsureReady); each
+    survivor raises PeerLost naming rank 1, the same call and number on each, never a bare
+    NcclError that ``except PeerLost`` misses; then agree, shrink, a new NCCL communicator."""
+    job = run_case("device-launch", tmp_path)
+    found = records(tmp_path, (0, 2, 3), job)
+    check_round({rank: rounds[0] for rank, rounds in found.items()}, 1, [0, 2, 3], job)
+    for rank, rounds in found.items():
+        d = rounds[0]["device"]
+        assert d["old_freed_by"] == "ncclCommAbort" and d["new_members"] == [0, 2, 3], d
+
+
+@needs_ulfm
 def test_a_device_collective_that_a_dead_peer_blocks_goes_the_gpus_way(tmp_path):
     """benchmarks/gpu_survivors.py on the NCCL stand-in, which models what an H200 showed
     (stand-in rule 22): in round 2, world rank 0's device all_reduce waits for world rank 1,
