@@ -68,7 +68,7 @@ from .._bootstrap import broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
 from .._packing import offsets
 from ..errors import CollectiveTimeout, NcclError, PeerLost
-from ..work import DeviceWork
+from ..work import DeviceWork, poll_until
 
 __all__ = ["NcclBackend", "library_version", "nccl_module"]
 
@@ -623,6 +623,17 @@ class NcclBackend:
                 self._comm.check_async_error()
             except self._raw_error as error:
                 raise self._broken(name, seq, error) from error
+
+    def settle(self, label: str) -> None:
+        """Block until every collective launched outside captures has completed (device calls
+        return at launch), then raise what cut any short, as :meth:`check_errors` does
+        (PeerLost for a loss): what a caller that must trust the results first waits for
+        (:func:`cupycomm.resilient`'s vote, ``State.sync``'s commit). A collective that
+        never completes is the watchdog's: it aborts it after the timeout."""
+        check = functools.partial(self.check_errors, label)
+        with _relaxed_capture_mode(self._runtime):
+            poll_until(lambda: not self._in_flight(), None, check)
+        check()
 
     def _was_aborted(self, call: str, seq: int) -> NcclError:
         """The error of ``call`` #``seq`` (the number it has, or would have had) once the
