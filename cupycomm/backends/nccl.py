@@ -681,7 +681,10 @@ class NcclBackend:
                 work._owner = work._event = _CutShort(self, work._label, work._number or seq)
 
     def _unfinished(self) -> list:
-        """The async Works launched outside captures whose collectives have not completed."""
+        """The async Works launched outside captures whose collectives have not completed
+        (no CUDA call where there is none: the abort may come from any thread)."""
+        if not self._inflight:
+            return []
         with _relaxed_capture_mode(self._runtime):
             return [work for work in self._inflight if not work._done
                     and work._event is not None and not work._event.done]
