@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import _private as private
 from .errors import SharedFileRefused
-from .faults.flight import summarize
+from .faults.flight import outcome, summarize
 
 __all__ = ["read", "main"]
 
@@ -66,8 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  {line}")
     if args.calls:
         for state in states:
-            calls = "; ".join(f"#{c['seq']} {c['call']} {c['backend']} "
-                              f"{'done' if c['completed'] else 'not done'}"
+            calls = "; ".join(f"#{c['seq']} {c['call']} {c['backend']} {outcome(c)}"
                               for c in state["calls"])
             print(f"  rank {state['rank']}: {calls or 'no calls'}")
     return 0

@@ -16,6 +16,10 @@ several requests or events (a ``batch()`` block); it completes when all of them 
 a device Work aborts the NCCL communicator and raises
 :class:`~cupycomm.errors.CollectiveTimeout`; a host Work ends the job with a report (MPI cannot
 cancel a collective), as a blocking collective past the communicator's timeout does.
+
+A result is returned only if its collective completed: a device Work that an abort of its
+NCCL communicator cut short (a timeout, a lost peer, NCCL's asynchronous error) raises the
+cause from ``wait()`` and ``synchronize()`` (PeerLost for a loss), and is never completed.
 """
 from __future__ import annotations
 
@@ -173,18 +177,19 @@ class DeviceWork(Work):
 
     ``captured``: the collective was captured in a CUDA graph; its event is a graph node,
     which CUDA forbids querying: such a Work completes when ``wait()`` (in the capture) joins
-    it, and cannot be synchronized. ``own_event``: the event is this Work's alone (not a
-    batch() block's), so the backend may record it again for another Work once this one
-    has completed.
+    it, and cannot be synchronized. ``number``: the collective's number (its ``seq``) where
+    the event is this Work's alone (not a batch() block's; else 0), so the backend may
+    record it again for another Work once this one has completed, and an abort that cuts
+    it short can name it.
     """
 
-    __slots__ = ("_event", "_captured", "_own_event")
+    __slots__ = ("_event", "_captured", "_number")
     _owner: DeviceCompletion
 
     # Made and waited for once per async_op call: as HostWork's, these set and clear Work's
     # fields themselves, and wait() is one frame and the backend's stream_wait.
     def __init__(self, event: Any, result: Any, keep: Sequence[Any], owner: DeviceCompletion,
-                 label: str, captured: bool = False, own_event: bool = False) -> None:
+                 label: str, captured: bool = False, number: int = 0) -> None:
         self._result = result
         self._keep = keep
         self._done = False
@@ -192,7 +197,7 @@ class DeviceWork(Work):
         self._label = label
         self._event = event
         self._captured = captured
-        self._own_event = own_event
+        self._number = number
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         if not self._done:

@@ -166,3 +166,7 @@ class DeviceBackend(Collectives, DeviceCompletion, Health, Protocol):
     def stream(self) -> Any: ...   # the comm stream (async calls, batch() blocks)
 
     def split(self, color: Optional[int], key: int) -> Any: ...
+
+    def settle(self, label: str) -> None:
+        """Block until every collective launched outside captures has completed, then raise
+        what cut any short (``label`` names the caller in the error)."""

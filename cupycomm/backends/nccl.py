@@ -68,7 +68,7 @@ from .._bootstrap import broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
 from .._packing import offsets
 from ..errors import CollectiveTimeout, NcclError, PeerLost
-from ..work import DeviceWork
+from ..work import DeviceWork, poll_until
 
 __all__ = ["NcclBackend", "library_version", "nccl_module"]
 
@@ -157,6 +157,30 @@ _KEPT_FOR_GRAPHS: list = []   # NCCL communicators closed while graphs may repla
 _thread = threading.get_ident
 
 
+class _CutShort:
+    """What an async Work whose collective an abort cut short holds in place of its event
+    and its backend (see :meth:`NcclBackend._end`): never done, and each way of waiting
+    raises the abort's error (PeerLost for a loss) rather than return the output that the
+    abort left undefined."""
+
+    done = False   # as an event's: the Work never completes
+
+    def __init__(self, backend: "NcclBackend", label: str, seq: int) -> None:
+        self._backend, self._label, self._seq = backend, label, seq
+
+    def _error(self) -> NcclError:
+        return self._backend._was_aborted(self._label, self._seq)
+
+    def stream_wait(self, event: Any, captured: bool = False, label: str = "wait") -> None:
+        raise self._error()
+
+    def check_errors(self, label: str) -> None:
+        raise self._error()
+
+    def expired(self, label: str, timeout: float) -> None:
+        raise self._error()
+
+
 class NcclBackend:
     """Collectives on one device over one NCCL communicator, created collectively.
 
@@ -217,6 +241,30 @@ class NcclBackend:
     def _failed(self, label: str, error: Exception) -> NcclError:
         return NcclError(f"{label}: NCCL failed on rank {self._rank}: {error}")
 
+    def _launch_failed(self, label: str, error: Exception) -> NcclError:
+        """The error of launch ``label`` (under ``_lifetime``), which NCCL refused with
+        ``error``: where the communicator has an asynchronous error, the one NCCL hands every
+        launch after it (NCCL's ``enqueue.cc``, ncclEnqueueCheck: ncclCommEnsureReady), the
+        communicator is broken (:meth:`_broken`); else the call's own NcclError."""
+        try:
+            self._comm.check_async_error()
+        except self._raw_error as reported:
+            return self._broken(label, self._tracker.seq, reported)
+        return self._failed(label, error)
+
+    def _broken(self, call: str, seq: int, error: Exception) -> NcclError:
+        """NCCL's asynchronous ``error`` met ``call`` #``seq`` (under ``_lifetime``): the NCCL
+        communicator is aborted here (its kernels end; the Works they cut short raise), and
+        the error says why: PeerLost naming the lost world ranks where the process survives
+        losses and the tracker names them within its loss bound (the node board, the
+        heartbeats, MPI's ULFM: ``Tracker.lost_ranks``), else NcclError. The watchdog leaves
+        an aborted communicator alone, so that wait holds up no one."""
+        self._end(f"NCCL reported an asynchronous error: {error}")
+        lost = self._tracker.lost_ranks(seq)
+        if lost:
+            self._lost = lost
+        return self._was_aborted(call, seq)
+
     def _nccl(self, call, label: str) -> Any:
         try:
             return call()
@@ -247,7 +295,8 @@ class NcclBackend:
                 self._device.__enter__()
             try:
                 if async_op:
-                    return self._launch_async(call, args, result, keep, label, stream, unpack)
+                    return self._launch_async(call, args, result, keep, label, stream, unpack,
+                                              seq)
                 here = self._current_stream(self.device_id) if stream is None else stream
                 captured = here.ptr not in _LEGACY and here.is_capturing()
                 self._run(call, args, here, label, unpack)
@@ -300,7 +349,7 @@ class NcclBackend:
         held.append((event, keep))
 
     def _launch_async(self, call, args: tuple, result, keep: tuple, label: str, stream: Any,
-                      unpack) -> DeviceWork:
+                      unpack, seq: int) -> DeviceWork:
         """An ``async_op`` call: on the comm stream after an event of the caller's stream
         (so kernels that wrote the input first are seen), or on ``stream`` itself. Its Work
         stays in ``_inflight`` outside a capture (which keeps the arrays alive even if the
@@ -320,12 +369,12 @@ class NcclBackend:
         # (``_done`` first: a Work already waited for is not asked again, in a frame of its own)
         while not captured and inflight and (inflight[0]._done or inflight[0].is_completed()):
             done = inflight.popleft()
-            if done._own_event:   # (a batch() block's Works share theirs: not reused)
+            if done._number:   # (a batch() block's Works share theirs: not reused)
                 spare.append(done._event)   # a completed Work never reads it again
                 done._event = None
         event = spare.pop() if spare else self._new_event(disable_timing=True)
         event.record(stream)
-        work = DeviceWork(event, result, keep, self, label, captured, True)
+        work = DeviceWork(event, result, keep, self, label, captured, seq)
         if captured:
             self._captures += 1
         else:
@@ -338,7 +387,7 @@ class NcclBackend:
         try:
             call(*args, stream.ptr)
         except self._raw_error as error:
-            raise self._failed(label, error) from error
+            raise self._launch_failed(label, error) from error
         if unpack:
             with stream:
                 for dst, src in unpack:
@@ -389,7 +438,7 @@ class NcclBackend:
             finally:
                 nccl.groupEnd()
         except self._raw_error as error:
-            raise self._failed("batch", error) from error
+            raise self._launch_failed("batch", error) from error
         with stream:   # all_gather's list parts, copied out after the group
             for _, _, unpack in group.calls:
                 for dst, src in unpack:
@@ -566,11 +615,25 @@ class NcclBackend:
         was aborted (:class:`PeerLost` if that was for a peer that died), while the Work
         ``label`` ("all_reduce #12") waits."""
         with self._lifetime:   # not while the watchdog aborts it
+            name, _, number = label.partition(" #")
+            seq = int(number) if number.isdigit() else self._tracker.seq
             if self._aborted:
-                name, _, number = label.partition(" #")
-                raise self._was_aborted(name, int(number) if number.isdigit() else
-                                        self._tracker.seq)
-            self._nccl(self._comm.check_async_error, "asynchronous error")
+                raise self._was_aborted(name, seq)
+            try:
+                self._comm.check_async_error()
+            except self._raw_error as error:
+                raise self._broken(name, seq, error) from error
+
+    def settle(self, label: str) -> None:
+        """Block until every collective launched outside captures has completed (device calls
+        return at launch), then raise what cut any short, as :meth:`check_errors` does
+        (PeerLost for a loss): what a caller that must trust the results first waits for
+        (:func:`cupycomm.resilient`'s vote, ``State.sync``'s commit). A collective that
+        never completes is the watchdog's: it aborts it after the timeout."""
+        check = functools.partial(self.check_errors, label)
+        with _relaxed_capture_mode(self._runtime):
+            poll_until(lambda: not self._in_flight(), None, check)
+        check()
 
     def _was_aborted(self, call: str, seq: int) -> NcclError:
         """The error of ``call`` #``seq`` (the number it has, or would have had) once the
@@ -598,9 +661,33 @@ class NcclBackend:
         with self._lifetime:
             if self._aborted:
                 return False
-            self._aborted, self._lost = reason, None if lost is None else tuple(sorted(lost))
-            self._comm.abort()
+            self._end(reason, None if lost is None else tuple(sorted(lost)))
         return True
+
+    def _end(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> None:
+        """Abort the NCCL communicator for ``reason`` (under ``_lifetime``). The async Works
+        whose collectives have not completed are cut short: the abort completes their events
+        with undefined outputs (NCCL's user guide, "Error handling and communicator abort";
+        an H200 wrote zeros), so each then holds a :class:`_CutShort` in place of its event
+        and this backend, and raises the abort's error (as :meth:`_was_aborted` says it
+        then) instead of returning its result; the flight recorder says they were aborted."""
+        cut = self._unfinished()
+        self._aborted, self._lost = reason, lost
+        self._comm.abort()
+        if cut:
+            seq = self._tracker.seq   # (a batch() block's Works have no number of their own)
+            self._tracker.flight.aborted(work._number for work in cut if work._number)
+            for work in cut:
+                work._owner = work._event = _CutShort(self, work._label, work._number or seq)
+
+    def _unfinished(self) -> list:
+        """The async Works launched outside captures whose collectives have not completed
+        (no CUDA call where there is none: the abort may come from any thread)."""
+        if not self._inflight:
+            return []
+        with _relaxed_capture_mode(self._runtime):
+            return [work for work in self._inflight if not work._done
+                    and work._event is not None and not work._event.done]
 
     # -- what the watchdog thread asks (no MPI, no blocking) --------------------------------------
     def has_pending_work(self) -> bool:

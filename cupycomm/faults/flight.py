@@ -48,7 +48,7 @@ from .._collectives import CALLS
 from .. import _private as private
 from ..errors import SharedFileRefused
 
-__all__ = ["Recorder", "summarize", "report_all", "install_signal", "report_signal",
+__all__ = ["Recorder", "outcome", "summarize", "report_all", "install_signal", "report_signal",
            "DUMP_AFTER", "DUMP_EVERY", "REPORT_WINDOW"]
 
 DUMP_AFTER = 1.0
@@ -73,7 +73,7 @@ class Recorder:
     """
 
     __slots__ = ("calls", "size", "rank", "name", "board", "progress", "_issued", "_done",
-                 "_seen", "_completed", "_wait", "_dumped", "__weakref__")
+                 "_seen", "_completed", "_wait", "_dumped", "_aborted", "__weakref__")
 
     def __init__(self, name: str, rank: int, board: Any = None,
                  progress: Optional[Callable[[], tuple]] = None) -> None:
@@ -87,6 +87,7 @@ class Recorder:
         self._completed = 0     # the last call stamped as completed
         self._wait: Optional[tuple] = None   # (call, its number, since: time.time())
         self._dumped = 0.0
+        self._aborted: set = set()   # the calls an abort cut short
         _recorders.add(self)
 
     # -- the watchdog thread ----------------------------------------------------------------------
@@ -117,6 +118,11 @@ class Recorder:
             self._wait = (busy, at, wall)
         return wall
 
+    def aborted(self, numbers: Iterable[int]) -> None:
+        """The calls ``numbers`` were cut short by an abort of their communicator (the device
+        backend's): they never completed, whatever their events say."""
+        self._aborted.update(numbers)
+
     # -- what it says -----------------------------------------------------------------------------
     def state(self) -> Dict[str, Any]:
         """This rank's state and its ring, as plain data (what its JSON file holds)."""
@@ -127,10 +133,10 @@ class Recorder:
         for number in range(max(1, seq - size + 1), seq + 1):
             slot = self.calls[number % size]
             name, backend = (slot, "mpi") if isinstance(slot, str) else (slot or ("?", "?"))
-            done = self._done[number % size]
+            done, aborted = self._done[number % size], number in self._aborted
             calls.append({"seq": number, "call": name, "backend": backend,
                           "issued_s_ago": round(now - self._issued[number % size], 1),
-                          "completed": bool(done)})
+                          "completed": bool(done) and not aborted, "aborted": aborted})
         wait = None
         if self._wait is not None:
             wait = {"call": self._wait[0].partition(" #")[0], "seq": self._wait[1],
@@ -157,8 +163,8 @@ class Recorder:
     def history(self) -> str:
         """This rank's last calls, one line."""
         calls = self.state()["calls"][-8:]
-        return "; ".join(f"#{c['seq']} {c['call']} {c['backend']}, "
-                         f"{'done' if c['completed'] else 'not done'}" for c in calls) or "none"
+        return "; ".join(f"#{c['seq']} {c['call']} {c['backend']}, {outcome(c)}"
+                         for c in calls) or "none"
 
     def report(self, trigger: str, stream: Any) -> None:
         """Print this communicator's block to ``stream`` (where its node's ranks are, if this
@@ -189,6 +195,11 @@ class Recorder:
             private.replace_file(path, json.dumps(self.state()), make=True)
         except (OSError, SharedFileRefused) as error:
             sys.stderr.write(f"cupycomm flight recorder: could not write {directory}: {error}\n")
+
+
+def outcome(call: Dict[str, Any]) -> str:
+    """How a call of a rank's ring (its state's ``calls``) ended: done, aborted or not done."""
+    return "aborted" if call.get("aborted") else "done" if call["completed"] else "not done"
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

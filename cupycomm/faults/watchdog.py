@@ -76,6 +76,7 @@ from .abort import abort_job, report_stream
 from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from .heartbeat import Heartbeats
 from ..survivors import policy
+from ..survivors.lost import known_lost
 
 if TYPE_CHECKING:   # the contract only: faults/ does not import the backends
     from ..backends import Health
@@ -235,6 +236,23 @@ class Tracker:
             if now - self._error_since <= self._loss_bound():
                 return
         self._abort_device(device, reason)
+
+    def lost_ranks(self, seq: int) -> Tuple[int, ...]:
+        """The world ranks whose loss explains NCCL's asynchronous error met by device
+        collective ``seq`` (a launch or a wait, on the main thread): in "raise" mode those
+        that the node board, the heartbeats or MPI's ULFM name, waited for up to
+        :meth:`_loss_bound` (see the module); () where none is named by then, and at once
+        in "abort" mode."""
+        if not policy.raising():
+            return ()
+        deadline = time.monotonic() + self._loss_bound()
+        while True:
+            now = time.monotonic()
+            _, ranks = self._gone_peer("", seq, now, left_counts=False)
+            lost = tuple(sorted(self.world_ranks[r] for r in ranks)) or known_lost(self)
+            if lost or now >= deadline:
+                return lost
+            time.sleep(INTERVAL / 2)
 
     def _loss_bound(self) -> float:
         """Seconds within which a lost peer is named here: the heartbeats' bound (a silent

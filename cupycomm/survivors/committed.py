@@ -24,7 +24,17 @@ import numpy as np
 
 from ..communicator import Communicator
 
-__all__ = ["State"]
+__all__ = ["State", "settled"]
+
+
+def settled(comm: Communicator, call: str) -> None:
+    """Return once the device collectives launched on ``comm`` so far have completed (a
+    device call returns at launch, its output written later); raise what cut any short
+    (PeerLost for a loss: an abort leaves their outputs undefined). ``call`` names the
+    caller in the error."""
+    device = comm.parts.router.device
+    if device is not None:
+        device.settle(call)
 
 
 def _is_array(value: Any) -> bool:
@@ -98,7 +108,9 @@ class State:
 
     def sync(self, comm: Communicator, root: int = 0) -> None:
         """Make every rank's values root's (arrays broadcast in place, other values pickled),
-        then commit them. Collective over ``comm``.
+        then, once the broadcasts have completed (device ones too), commit them. Collective
+        over ``comm``. Where an abort cut a device broadcast short (PeerLost, for a loss),
+        nothing is committed: the last commit stays what :meth:`restore` puts back.
 
         Raises ValueError on every rank, before any array is sent, where a value's arrays
         differ from root's in number, shape, dtype or kind (host or device).
@@ -120,6 +132,7 @@ class State:
         for name in self._names:
             for array in _arrays(getattr(self, name)):
                 comm.broadcast(array, root)
+        settled(comm, "State.sync")
         self.commit()
 
     @staticmethod

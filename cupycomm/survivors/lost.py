@@ -19,14 +19,14 @@ Example (what a host call does)::
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING, Any, List, Tuple
 
 from mpi4py import MPI
 
 if TYPE_CHECKING:
     from .state import Survival
 
-__all__ = ["peer_lost", "enlist", "attach", "failed_in", "FAILURES"]
+__all__ = ["peer_lost", "enlist", "attach", "failed_in", "known_lost", "FAILURES"]
 
 #: The error classes of ULFM that say a peer is lost (the call saw it fail; a nonblocking
 #: receive from any source cannot know; another survivor revoked the communicator).
@@ -61,6 +61,14 @@ def failed_in(mpi_comm: MPI.Comm) -> List[int]:
     finally:
         group.Free()
         mine.Free()
+
+
+def known_lost(tracker: Any) -> Tuple[int, ...]:
+    """The world ranks this process knows are lost from the communicator of ``tracker``
+    (agreed at a loss, or noticed by its MPI since: a local query); () where it does not
+    survive losses."""
+    survival = _BY_TRACKER.get(tracker)
+    return () if survival is None else tuple(survival.failed_ranks())
 
 
 def peer_lost(error: BaseException, tracker: Any, label: str, seq: int) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from ..communicator import Communicator
 from ..errors import CommClosedError, PeerLost, TooFewSurvivors
 from . import policy
-from .committed import State
+from .committed import State, settled
 from .numbering import joined_late
 
 __all__ = ["resilient"]
@@ -114,15 +114,19 @@ def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
 
 
 def _together(comm: Communicator, action: Callable[..., Any], *args: Any) -> bool:
-    """Whether ``action(*args)`` ended without PeerLost, and without a loss known, on every
-    rank of ``comm``: the same answer on each, so that all survivors take the same branch
-    next, even where a loss broke a collective for some of them and not for others (a root
-    that died after sending). A loss known but not raised counts too: a device collective
-    that a dying peer cut short returns before its loss is raised (the watchdog aborts the
-    NCCL communicator; later calls raise PeerLost), its result undefined (all zeros on an
-    H200, benchmarks/results/gpu_h200_2026-11-27_survivors_run1.log)."""
+    """Whether ``action(*args)`` ended without PeerLost, its device collectives on ``comm``
+    completed and none cut short, and without a loss known, on every rank of ``comm``: the
+    same answer on each, so that all survivors take the same branch next, even where a loss
+    broke a collective for some of them and not for others (a root that died after
+    sending). A device collective returns at launch, and one that a dying peer cuts short
+    ends only at the abort (the watchdog's, or NCCL's asynchronous error's), its result
+    undefined (all zeros on an H200,
+    benchmarks/results/gpu_h200_2026-11-27_survivors_run1.log): so the vote comes only
+    once this rank's device work has completed (:func:`settled`), which raises PeerLost
+    where an abort cut it short. A loss known but not raised counts too."""
     try:
         action(*args)
+        settled(comm, "resilient")
         finished = True
     except PeerLost:
         finished = False

@@ -107,17 +107,22 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
 22. A collective or transfer whose member died does not fail: its kernel waits for the
     data that never comes, the communicator reports ncclRemoteError (6) through
     ``check_async_error`` (ncclCommGetAsyncError), and only ``abort`` ends the kernel,
-    which leaves its output undefined; the host never blocks in a launch or an event
-    wait (work queues behind the waiting kernel), only in a synchronization; later calls
-    of that communicator wait too; an abort under MPI's ULFM breaks its connections, so
-    that the other members' kernels stop waiting for it [NCCL's user guide, "Error handling
-    and communicator abort": NCCL kernels are blocking, an error is reported through
-    ncclCommGetAsyncError and ncclCommAbort ends the operations in flight, whose results
-    cannot be assumed; ncclResult_t ncclRemoteError: "a remote process exiting prematurely";
-    seen on an H200, benchmarks/results/gpu_h200_2026-11-27_survivors_run*.log: a kernel
-    that a killed peer left waiting until the abort, another that returned zeros, NCCL's
-    "socketProgress: Connection closed by remote peer"]. Under ULFM (``LOSSES``: MPI's
-    errors that say a member is gone) the stand-in's MPI error never reaches the caller.
+    which overwrites its output with garbage (zeros, as an H200 wrote), as it does the
+    output of every kernel the abort ends or that runs after it; the host never blocks in
+    a launch or an event wait (work queues behind the waiting kernel), only in a
+    synchronization; calls queued before the error was reported wait too, and every launch
+    after it returns it (ncclRemoteError, enqueuing nothing); an abort under MPI's ULFM
+    breaks its connections, so that the other members' kernels stop waiting for it [NCCL's
+    user guide, "Error handling and communicator abort": NCCL kernels are blocking, an error
+    is reported through ncclCommGetAsyncError and ncclCommAbort ends the operations in
+    flight, whose results cannot be assumed; NCCL ``enqueue.cc`` ncclEnqueueCheck calls
+    ncclCommEnsureReady (``init.cc``), which returns the communicator's asynchronous error
+    to every later launch; ncclResult_t ncclRemoteError: "a remote process exiting
+    prematurely"; seen on an H200, benchmarks/results/gpu_h200_2026-11-27_survivors_run*.log:
+    a kernel that a killed peer left waiting until the abort, another that returned zeros,
+    NCCL's "socketProgress: Connection closed by remote peer"]. Under ULFM (``LOSSES``:
+    MPI's errors that say a member is gone) the stand-in's MPI error never reaches the
+    caller.
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -138,7 +143,7 @@ import threading
 import time
 import types
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -1058,15 +1063,32 @@ def _duplicate_gpu(gpus: list) -> str:
     return ""
 
 
+def _cut_short(outputs: Sequence[np.ndarray]) -> None:
+    """The outputs of a kernel that an abort ended, or that ran after it: garbage (rule 22;
+    zeros, what an H200 left)."""
+    for output in outputs:
+        output[...] = 0
+
+
 class _Transfers:
     """What a stand-in kernel of ``comm`` left running: MPI requests (its sends and receives),
     or, with ``lost``, nothing but the wait for a member that died (rule 22): that kernel
-    ends only when ``comm`` is aborted."""
+    ends only when ``comm`` is aborted, and its ``outputs`` are then garbage."""
 
-    __slots__ = ("comm", "requests", "lost")
+    __slots__ = ("comm", "requests", "lost", "outputs")
 
-    def __init__(self, comm: "NcclCommunicator", requests: list, lost: bool = False) -> None:
-        self.comm, self.requests, self.lost = comm, requests, lost
+    def __init__(self, comm: "NcclCommunicator", requests: list, lost: bool = False,
+                 outputs: Sequence[np.ndarray] = ()) -> None:
+        self.comm, self.requests, self.lost, self.outputs = comm, requests, lost, outputs
+
+    def _ended(self) -> bool:
+        """Whether the abort has ended the kernel that waits for a dead member (its outputs
+        cut short)."""
+        if self.comm._alive:
+            return False
+        _cut_short(self.outputs)
+        self.outputs = ()
+        return True
 
     def test(self) -> bool:
         """Whether the kernel has ended (never blocks)."""
@@ -1075,7 +1097,7 @@ class _Transfers:
                 return MPI.Request.Testall(self.requests)
             except MPI.Exception as error:
                 self.lost = self.comm._member_died(error)
-        return not self.comm._alive
+        return self._ended()
 
     def wait(self) -> None:
         """Block until the kernel ends; inside an asynchronous call, raise _Stalled where it
@@ -1086,7 +1108,7 @@ class _Transfers:
                 return
             except MPI.Exception as error:
                 self.lost = self.comm._member_died(error)
-        while self.comm._alive:
+        while not self._ended():
             if getattr(_stalls, "depth", 0):
                 raise _Stalled()
             time.sleep(0.005)
@@ -1258,20 +1280,25 @@ class NcclCommunicator:
             f"({error.Get_error_string()})")
         return True
 
-    def _kernel(self, work: Callable[[], Optional[list]]) -> Callable[[], Optional[list]]:
-        """The kernel of a call doing ``work`` (which may return the MPI requests it started):
-        it does nothing on an aborted communicator, and waits where a member died (rule 22),
-        as do the later kernels of the communicator."""
+    def _kernel(self, work: Callable[[], Optional[list]],
+                outputs: Sequence[np.ndarray]) -> Callable[[], Optional[list]]:
+        """The kernel of a call doing ``work`` (which may return the MPI requests it started)
+        and writing ``outputs``: on an aborted communicator it only leaves garbage there,
+        and it waits where a member died (rule 22), as do the later kernels of the
+        communicator."""
         def kernel() -> Optional[list]:
-            if NO_WORK or not self._alive:
+            if NO_WORK:
+                return None
+            if not self._alive:
+                _cut_short(outputs)
                 return None
             if self._waiting:
-                return [_Transfers(self, [], lost=True)]
+                return [_Transfers(self, [], True, outputs)]
             try:
                 requests = work()
             except MPI.Exception as error:
-                return [_Transfers(self, [], self._member_died(error))]
-            return [_Transfers(self, requests)] if requests else None
+                return [_Transfers(self, [], self._member_died(error), outputs)]
+            return [_Transfers(self, requests, outputs=outputs)] if requests else None
         return kernel
 
     def commSplit(self, color: int, key: int, config: Any = None) -> Optional["NcclCommunicator"]:
@@ -1291,17 +1318,22 @@ class NcclCommunicator:
 
     # -- the work: every call validates now and runs when its stream gets there
     def _submit(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]],
-                nonblocking: Optional[Callable[[], list]] = None) -> None:
+                nonblocking: Optional[Callable[[], list]] = None,
+                outputs: Sequence[np.ndarray] = ()) -> None:
         with self._entered(f"nccl{name[0].upper()}{name[1:]}"):
+            if self.async_error:   # ncclCommEnsureReady: every launch returns it (rule 22)
+                raise NcclError(f"stand-in: nccl{name[0].upper()}{name[1:]}: the "
+                                f"communicator's asynchronous error: {self.async_error}",
+                                status=6)
             self._check_thread(name)
             group = _open_group()
             if group is not None:
                 # In a group, sends and receives start as MPI requests and collectives run in
                 # the order they were issued (NCCL requires every rank to issue them alike).
-                group.append((stream_ptr, self._kernel(nonblocking or run), self))
+                group.append((stream_ptr, self._kernel(nonblocking or run, outputs), self))
                 self._grouping = threading.get_ident()
                 return
-            self._enqueue(stream_ptr, name, run)
+            self._enqueue(stream_ptr, name, run, outputs)
 
     def _check_thread(self, name: str) -> None:
         """Rule 15: a call from another thread than the last one's while that call has not
@@ -1318,9 +1350,10 @@ class NcclCommunicator:
                                 f"progress (NCCL forbids concurrent use)", status=5)
         self._user = me
 
-    def _enqueue(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]]) -> None:
+    def _enqueue(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]],
+                 outputs: Sequence[np.ndarray]) -> None:
         stream = Stream.from_ptr(stream_ptr)
-        stream.enqueue(self._in_order(stream, self._kernel(run)), f"nccl {name}")
+        stream.enqueue(self._in_order(stream, self._kernel(run, outputs)), f"nccl {name}")
 
     def _in_order(self, stream: Stream, op: Callable[[], Optional[list]]) -> Callable:
         """``op``, about to be enqueued on ``stream``, after this communicator's previous call
@@ -1354,7 +1387,7 @@ class NcclCommunicator:
         send = _view(sendbuf, count, datatype, "allReduce sendbuff")
         recv = _view(recvbuf, count, datatype, "allReduce recvbuff")
         self._submit(stream, "allReduce", lambda: recv.__setitem__(
-            Ellipsis, self._reduced(send, op)))
+            Ellipsis, self._reduced(send, op)), outputs=[recv])
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
         _converted("reduce", sendbuf, recvbuf, count, datatype, op, root, stream)
@@ -1365,12 +1398,13 @@ class NcclCommunicator:
             result = self._reduced(send, op)
             if recv is not None:
                 recv[...] = result
-        self._submit(stream, "reduce", run)
+        self._submit(stream, "reduce", run, outputs=[] if recv is None else [recv])
 
     def bcast(self, buff, count, datatype, root, stream):
         _converted("bcast", buff, count, datatype, root, stream)
         buf = _view(buff, count, datatype, "bcast buff")
-        self._submit(stream, "bcast", lambda: self._comm.Bcast(buf, root))
+        self._submit(stream, "bcast", lambda: self._comm.Bcast(buf, root),
+                     outputs=[] if self._rank == root else [buf])
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
         _converted("broadcast", sendbuff, recvbuff, count, datatype, root, stream)
@@ -1381,13 +1415,15 @@ class NcclCommunicator:
             if self._rank == root and sendbuff != recvbuff:
                 recv[...] = send
             self._comm.Bcast(recv, root)
-        self._submit(stream, "broadcast", run)
+        written = self._rank != root or sendbuff != recvbuff
+        self._submit(stream, "broadcast", run, outputs=[recv] if written else [])
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         _converted("allGather", sendbuf, recvbuf, count, datatype, stream)
         send = _view(sendbuf, count, datatype, "allGather sendbuff")
         recv = _view(recvbuf, count * self._size, datatype, "allGather recvbuff")
-        self._submit(stream, "allGather", lambda: self._comm.Allgather(send, recv))
+        self._submit(stream, "allGather", lambda: self._comm.Allgather(send, recv),
+                     outputs=[recv])
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
         _converted("reduceScatter", sendbuf, recvbuf, recvcount, datatype, op, stream)
@@ -1395,7 +1431,7 @@ class NcclCommunicator:
         recv = _view(recvbuf, recvcount, datatype, "reduceScatter recvbuff")
         mine = slice(self._rank * recvcount, (self._rank + 1) * recvcount)
         self._submit(stream, "reduceScatter", lambda: recv.__setitem__(
-            Ellipsis, self._reduced(send, op)[mine]))
+            Ellipsis, self._reduced(send, op)[mine]), outputs=[recv])
 
     def send(self, sendbuf, count, datatype, peer, stream):
         _converted("send", sendbuf, count, datatype, peer, stream)
@@ -1407,7 +1443,7 @@ class NcclCommunicator:
         _converted("recv", recvbuf, count, datatype, peer, stream)
         buf = _view(recvbuf, count, datatype, "recv recvbuff")
         issue = lambda: [self._comm.Irecv(buf, peer)]
-        self._submit(stream, "recv", issue, issue)
+        self._submit(stream, "recv", issue, issue, outputs=[buf])
 
 
 # The module layout CuPy has: cupy.cuda and cupy.cuda.runtime are there once the package is

@@ -2,6 +2,7 @@
 close, NCCL errors and timeouts. Against the stand-in in CI; the ordering test also runs on a
 real GPU, where a slow kernel writes the input just before the collective."""
 import gc
+import re
 import threading
 import time
 import weakref
@@ -291,6 +292,77 @@ def test_after_an_abort_for_a_loss_every_call_raises_peer_lost_naming_it(dcomm):
     with pytest.raises(cupycomm.PeerLost) as raised:
         backend.check_errors("recv #7")
     assert (raised.value.ranks, raised.value.call, raised.value.seq) == ((1, 4), "recv", 7)
+
+
+class _Relaying:
+    """Heartbeats whose leader relays, ``after`` s from now, that world rank ``lost`` (a rank
+    of another node, appended to the communicator's numbering) died."""
+
+    bound, interval = 5.0, 0.5
+
+    def __init__(self, tracker, after: float, lost: int) -> None:
+        from cupycomm.faults.heartbeat import Departure
+        self.at, rank = time.monotonic() + after, tracker.size
+        tracker.world_ranks = tracker.world_ranks + (lost,)
+        self.gone = Departure(f"rank {rank} (node b)", 0, 0, 0.0, "has died", (rank,))
+
+    def poll(self, now: float) -> None:
+        pass
+
+    def departure(self):
+        return self.gone if time.monotonic() >= self.at else None
+
+
+@pytest.mark.parametrize("meets", ["launch", "synchronize"])
+def test_in_raise_mode_nccls_async_error_raises_peer_lost_once_the_loss_is_named(
+        dcomm, monkeypatch, meets):
+    """NCCL hands its asynchronous error (a peer's connection closed) to every launch after
+    it (stand-in rule 22) and to the poll of a Work: in "raise" mode that is PeerLost naming
+    the lost world rank, as soon as the heartbeats name it (within their bound), never a
+    bare NcclError that ``except PeerLost`` misses; the NCCL communicator is aborted."""
+    monkeypatch.setattr("cupycomm.survivors.policy._raising", True)
+    backend, tracker = dcomm.init_device(), dcomm.parts.tracker
+    held = sd.Stream(non_blocking=True, deferred=True)
+    work = dcomm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)
+    monkeypatch.setattr(tracker, "world_ranks", tracker.world_ranks)
+    monkeypatch.setattr(tracker, "beats", _Relaying(tracker, 0.3, 9))
+    backend._comm.async_error = "ncclRemoteError: a remote process exited"
+    began = time.monotonic()
+    with pytest.raises(cupycomm.PeerLost, match=r"lost world rank\(s\) \[9\]") as raised:
+        if meets == "launch":
+            dcomm.all_reduce(sd.asarray(np.ones(2)))
+        else:
+            work.synchronize(timeout=30)
+    assert raised.value.ranks == (9,) and raised.value.call == "all_reduce"
+    assert 0.25 <= time.monotonic() - began < 5.0
+    assert not backend._comm._alive and backend._comm.freed_by == "ncclCommAbort"
+    with pytest.raises(cupycomm.PeerLost):
+        dcomm.all_reduce(sd.asarray(np.ones(2)))
+    held.pending.clear()   # the collective never ran anywhere: drop it on every rank
+
+
+@pytest.mark.parametrize("waits", ["wait", "synchronize", "wait(timeout)"])
+def test_a_work_the_watchdogs_abort_cut_short_raises_and_never_returns_its_buffer(
+        dcomm, waits):
+    """An async all_reduce whose peer never came, aborted by the watchdog for it (its kernel
+    then ends, its event completes, its output is garbage): wait() and synchronize() raise
+    the cause, and the flight recorder says the call was aborted, not done."""
+    backend, tracker = dcomm.init_device(), dcomm.parts.tracker
+    held = sd.Stream(non_blocking=True, deferred=True)
+    x = sd.asarray(np.full(2, 5.0))
+    work = dcomm.all_reduce(x, stream=held, async_op=True)
+    seq = tracker.seq
+    reason = f"device collectives up to #{seq} have not finished after 1 s (a test)"
+    tracker._abort_device(backend, reason)   # what the watchdog does past the timeout
+    held.synchronize()                       # the abort ended the kernel: its event is done
+    with pytest.raises(cupycomm.NcclError, match=re.escape(
+            f"all_reduce: the NCCL communicator was aborted ({reason}) on rank")):
+        {"wait": work.wait, "synchronize": work.synchronize,
+         "wait(timeout)": lambda: work.wait(timeout=5)}[waits]()
+    assert not work.is_completed()
+    calls = {c["seq"]: c for c in tracker.flight.state()["calls"]}
+    assert calls[seq]["aborted"] and not calls[seq]["completed"], calls[seq]
+    assert "aborted" in tracker.flight.history()
 
 
 def test_device_timeout_aborts_the_nccl_communicator(dcomm):

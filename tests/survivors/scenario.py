@@ -22,6 +22,9 @@ bucket) does then; it writes what it saw, one JSON object per round, to
 - ``device-blocked``: as ``device``, but only device calls see the loss: the survivors'
   device all_reduce waits for the dead peer (stand-in rule 22), the watchdog aborts the
   NCCL communicator, which ends the wait, and their next device call raises PeerLost;
+- ``device-launch``: as ``device-blocked``, but the survivors launch device all_reduces
+  back to back, without waiting: NCCL hands the launch after its asynchronous error that
+  error (stand-in rule 22), which must be PeerLost, not a bare NcclError;
 - ``grow``, ``grow-device`` (device arrays on the stand-in): as ``sigkill``, then the
   survivors try grow() with bad arguments, a grow() whose new process refuses to join
   (``init(on_peer_loss="abort")``), and ``grow(1)``: a new process, started as this
@@ -88,6 +91,9 @@ def survive(comm, case, directory, victim, xp):
         elif case == "device-blocked":
             xp.asnumpy(comm.all_reduce(xp.asarray(x)))   # returns once the watchdog aborted
             comm.all_reduce(xp.asarray(x))
+        elif case == "device-launch":   # the second launch meets NCCL's asynchronous error
+            for _ in range(2):
+                comm.all_reduce(xp.asarray(x))
         else:
             comm.all_reduce(x)
         seen["raised"] = None

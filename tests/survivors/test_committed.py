@@ -1,12 +1,16 @@
 """cupycomm.State (what cupycomm.resilient keeps: commit, restore in place, sync from a root)
 and resilient's checks of its arguments, under any MPI and on every size: neither needs a
 lost rank (tests/survivors/test_resilient.py loses some under Open MPI's ULFM)."""
+import threading
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 import cupycomm
 from cupycomm.survivors import policy
 from cupycomm.testing import release
+from cupycomm.testing import standin as sd
 from arrays import HOST, lib_params
 
 # NumPy and CuPy arrays (and the stand-in's); a torch tensor would be a value to pickle
@@ -140,6 +144,7 @@ class _LossNotRaised:
 
     def __init__(self, failed):
         self.failed, self.voted = failed, []
+        self.parts = SimpleNamespace(router=SimpleNamespace(device=None))   # host arrays only
 
     def failed_ranks(self):
         return list(self.failed)
@@ -155,3 +160,72 @@ def test_a_step_counts_only_where_no_loss_is_known(failed, counts):
     comm = _LossNotRaised(failed)
     assert _together(comm, lambda: None) is counts
     assert comm.voted == [counts]
+
+
+def _busy():
+    """A stream of a busy GPU: its work held back, getting on a step each time it is asked."""
+    stream = sd.Stream(non_blocking=True, deferred=True)
+    stream.busy = True
+    return stream
+
+
+def _voting(comm, monkeypatch, held):
+    """``comm``'s agree, recording each flag and whether ``held`` still held work then."""
+    votes, agree = [], comm.agree
+    monkeypatch.setattr(comm, "agree", lambda flag: votes.append(
+        (flag, bool(held.pending))) or agree(flag))
+    return votes
+
+
+def test_a_step_is_voted_on_once_its_device_collectives_completed(dcomm, monkeypatch):
+    """A device call returns at launch: the vote comes only after this rank's device work on
+    the communicator has completed (a busy GPU, here a stream holding its work back, which
+    gets on as it is asked), so that a step counts only with results that are there."""
+    from cupycomm.survivors.resilient import _together
+    held = _busy()
+    x = sd.asarray(np.ones(2))
+    votes = _voting(dcomm, monkeypatch, held)
+
+    def step():
+        with held:
+            dcomm.all_reduce(x)
+    assert _together(dcomm, step) is True
+    assert votes == [(True, False)]
+    np.testing.assert_array_equal(sd.asnumpy(x), np.full(2, float(dcomm.size)))
+
+
+def test_a_step_whose_device_collective_an_abort_cut_short_never_counts(dcomm, monkeypatch):
+    """The step's device all_reduce waits for a peer that died; the watchdog aborts the NCCL
+    communicator for that loss after the step returned (its output is now undefined): the
+    step is voted down on every rank, never counted (the H200's zeros were committed so)."""
+    from cupycomm.survivors.resilient import _together
+    held = sd.Stream(non_blocking=True, deferred=True)
+    x = sd.asarray(np.ones(2))
+    votes = _voting(dcomm, monkeypatch, held)
+    backend = dcomm.init_device()
+
+    def step():
+        with held:
+            dcomm.all_reduce(x)
+        threading.Timer(0.3, backend.abort, ("rank 9 has died (a test)", (9,))).start()
+    assert _together(dcomm, step) is False
+    assert votes == [(False, True)]
+    held.pending.clear()   # the collective never ran anywhere: drop it on every rank
+
+
+def test_sync_commits_only_once_its_device_broadcasts_completed(dcomm, monkeypatch):
+    """State.sync (resilient's first sync, its restore after a loss) commits what the
+    broadcasts wrote: once they completed, and not at all where an abort cut them short, so
+    the last good commit stays for the next restore."""
+    state = cupycomm.State(w=sd.asarray(np.full(2, float(dcomm.rank + 1))))
+    with _busy():
+        state.sync(dcomm)
+    np.testing.assert_array_equal(sd.asnumpy(state._committed["w"]), np.ones(2))
+    state.w[...] = 5.0
+    state.commit()
+    backend, held = dcomm.init_device(), sd.Stream(non_blocking=True, deferred=True)
+    threading.Timer(0.3, backend.abort, ("rank 9 has died (a test)", (9,))).start()
+    with held, pytest.raises(cupycomm.PeerLost):
+        state.sync(dcomm)
+    held.pending.clear()
+    np.testing.assert_array_equal(sd.asnumpy(state._committed["w"]), np.full(2, 5.0))

@@ -80,6 +80,19 @@ def test_the_survivors_finish_with_the_ranks_left_at_each_step(kills, size_left,
 
 
 @needs_ulfm
+def test_a_step_whose_device_collective_was_still_running_at_the_vote_counts_rightly():
+    """Each step's device all_reduce returns at launch and runs later (a busy GPU); world
+    rank 1 is killed right after the vote on step 3. The vote must wait for the step's
+    device collectives (every rank's, rank 1's too, completed before it died), so step 3
+    counts with its full result; the loss is seen in step 4 and the device value ends as the
+    product of the sizes each counted step had, not a cut-short step's garbage."""
+    job = ulfm_job(4, LOOP, "--steps", "6", "--device", "--busy", "--kill-after-vote", "1@3")
+    found = re.search(r"finished on (\d) ranks .*: total (\d+), expected (\d+)", job.stdout)
+    assert found and found[1] == "3" and found[2] == found[3], job.output
+    went_on_without(job, [1])
+
+
+@needs_ulfm
 @pytest.mark.parametrize("options, survivors, why", [
     (["--kill", "2@2", "--min-size", "3"], [0, 1], "1 of 3 ranks lost .*fewer than min_size=3"),
     (["--kill", "3@2", "--kill", "1@5", "--max-failures", "1"], [0, 2],

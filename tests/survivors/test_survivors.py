@@ -120,14 +120,31 @@ def test_a_loss_that_only_device_collectives_see_is_ended_by_the_watchdog(tmp_pa
     rule 22); each survivor's watchdog sees the dead peer and aborts the NCCL communicator
     (never destroyed), which ends the wait; the next device call raises PeerLost naming
     rank 1, the same call and number on each; then agree, shrink, a new NCCL communicator."""
-    job = run_case("device-blocked", tmp_path)
+    job = device_round("device-blocked", tmp_path)
+    assert job.output.count("the NCCL communicator was aborted: later device calls raise "
+                            "PeerLost") == 3, job.output
+
+
+@needs_ulfm
+def test_a_launch_after_nccls_asynchronous_error_raises_peer_lost_on_every_survivor(tmp_path):
+    """The survivors launch device all_reduces back to back after world rank 1 was killed:
+    the first one's kernel meets the loss (NCCL's asynchronous error, no MPI error), the
+    second launch returns that error (stand-in rule 22, NCCL's ncclCommEnsureReady); each
+    survivor raises PeerLost naming rank 1, the same call and number on each, never a bare
+    NcclError that ``except PeerLost`` misses; then agree, shrink, a new NCCL communicator."""
+    device_round("device-launch", tmp_path)
+
+
+def device_round(case, tmp_path):
+    """Run ``case``, where only device calls see world rank 1's loss: every survivor's round
+    is right, its old NCCL communicator aborted and its new one of ranks 0, 2, 3."""
+    job = run_case(case, tmp_path)
     found = records(tmp_path, (0, 2, 3), job)
     check_round({rank: rounds[0] for rank, rounds in found.items()}, 1, [0, 2, 3], job)
     for rank, rounds in found.items():
         d = rounds[0]["device"]
         assert d["old_freed_by"] == "ncclCommAbort" and d["new_members"] == [0, 2, 3], d
-    assert job.output.count("the NCCL communicator was aborted: later device calls raise "
-                            "PeerLost") == 3, job.output
+    return job
 
 
 @needs_ulfm

@@ -233,13 +233,14 @@ class _DeadMember:
 
 def test_a_collective_whose_member_died_waits_until_the_communicator_is_aborted(monkeypatch):
     """No MPI error reaches the caller: the launch returns, its kernel (and the work queued
-    behind it, and the communicator's next call) waits, the host blocks only where it
-    synchronizes; ncclCommGetAsyncError says ncclRemoteError; the abort ends the wait."""
+    behind it) waits, the host blocks only where it synchronizes; ncclCommGetAsyncError says
+    ncclRemoteError, and so does every later launch (NCCL's ncclCommEnsureReady), enqueuing
+    nothing; the abort ends the wait and leaves garbage in the output, not its old values."""
     monkeypatch.setattr(sd, "LOSSES", frozenset({MPI.ERR_PROC_FAILED}))   # ULFM's, modelled
     comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
     comm._comm = _DeadMember(comm._comm)
     stream, after = sd.Stream(non_blocking=True), sd.Stream(non_blocking=True)
-    x, y = sd.asarray(np.arange(4.0)), sd.zeros(4)
+    x, y = sd.asarray(np.arange(4.0)), sd.asarray(np.full(4, 7.0))
     comm.allReduce(x.data.ptr, y.data.ptr, 4, 8, 0, stream.ptr)   # raises nothing
     with pytest.raises(sd.NcclError, match="ncclRemoteError") as error:
         comm.check_async_error()
@@ -248,7 +249,9 @@ def test_a_collective_whose_member_died_waits_until_the_communicator_is_aborted(
     after.wait_event(event)                       # the host does not block here
     ran = []
     sd.launch(after, lambda: ran.append(True))
-    comm.bcast(y.data.ptr, 4, 8, 0, after.ptr)    # nor here: it waits behind the first
+    with pytest.raises(sd.NcclError, match="ncclRemoteError") as refused:
+        comm.bcast(x.data.ptr, 4, 8, 0, after.ptr)   # nor here: the launch returns the error
+    assert refused.value.status == 6 and "nccl bcast" not in after.log
     assert not stream.done and not event.done and not after.done and ran == []
     with pytest.raises(sd.NcclError, match="ncclCommDestroy .*a kernel waits for a dead"):
         comm.destroy()                            # rule 21: aborted, never destroyed
@@ -259,6 +262,20 @@ def test_a_collective_whose_member_died_waits_until_the_communicator_is_aborted(
     aborter.join()
     assert time.monotonic() - began >= 0.25 and ran == [True]
     assert stream.done and event.done and comm.freed_by == "ncclCommAbort"
+    assert (sd.asnumpy(y) == 0).all(), sd.asnumpy(y)   # cut short: garbage (an H200's zeros)
+
+
+def test_a_kernel_that_runs_after_the_abort_leaves_garbage_in_its_output():
+    """A collective queued before the abort (a busy GPU) and run after it: its output is
+    undefined (NCCL's user guide: the results of operations the abort ended cannot be
+    assumed), here zeros, never the buffer's old values."""
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    held = sd.Stream(non_blocking=True, deferred=True)
+    x, y = sd.asarray(np.arange(4.0)), sd.asarray(np.full(4, 7.0))
+    comm.allReduce(x.data.ptr, y.data.ptr, 4, 8, 0, held.ptr)
+    comm.abort()
+    held.synchronize()
+    assert (sd.asnumpy(y) == 0).all(), sd.asnumpy(y)
 
 
 @pytest.mark.parametrize("bad, error", [(2.0, TypeError), (None, TypeError),
