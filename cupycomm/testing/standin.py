@@ -88,10 +88,16 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     call takes its place in rule 13's order when the graph is launched [NCCL
     ``strongstream.cc``/``enqueue.cc``: a captured launch is ordered after the communicator's
     serial event, so graphs of one communicator never run their kernels at once].
-19. A graph whose captured NCCL calls use a communicator that was destroyed or aborted since
-    is refused at launch (cudaErrorIllegalAddress, before anything runs), not skipped: on a
-    GPU its kernels would use freed memory [NCCL ``ncclCommDestroy``/``ncclCommAbort`` free
-    the communicator's device memory, which captured kernels reference].
+19. A communicator is not freed while a CUDA graph that captured a call of it lives:
+    ``destroy`` and ``abort`` (and so CuPy's destructor) wait until every such graph is
+    destroyed, which the stand-in refuses instead of hanging; :func:`comm_revoke` (NCCL's
+    ncclCommRevoke, NCCL >= 2.28.9, in NVIDIA's nccl4py as ``nccl.bindings.nccl.comm_revoke``;
+    CuPy has none) ends the communicator's kernels in flight and later ones at once,
+    output undefined, and frees nothing [NCCL ``src/init.cc`` commDestroySync, which both
+    ncclCommDestroy and ncclCommAbort reach: "keep polling until all graphs referencing us
+    die" (``localPersistentRefs``, taken per captured plan in ``enqueue.cc`` and released by
+    the graph's destructor); CuPy's ``Graph`` destroys its graph only when collected;
+    nccl4py ``nccl/core/communicator.py``, ``revoke``: "Stops all in-flight operations"].
 20. A failed runtime call is kept as the host thread's last error (:func:`last_error`), which
     CuPy's wrappers reset before they raise; its Python runtime has no ``getLastError``: a
     ``deviceEnablePeerAccess`` of a pair already enabled (status 704) leaves none [CUDA
@@ -118,6 +124,10 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     that a killed peer left waiting until the abort, another that returned zeros, NCCL's
     "socketProgress: Connection closed by remote peer"]. Under ULFM (``LOSSES``: MPI's
     errors that say a member is gone) the stand-in's MPI error never reaches the caller.
+23. A communicator that is collected unfreed is destroyed by its destructor, in whatever
+    thread the garbage collector runs, with rules 11, 19 and 21 [CuPy
+    ``cupy_backends/cuda/libs/nccl.pyx``: ``NcclCommunicator.__dealloc__`` calls
+    ``destroy()``, ncclCommDestroy].
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -840,24 +850,20 @@ def _runtime_call(call: str, unsafe: bool = False, capturing: Optional[_Capture]
 
 
 class Graph:
-    """cupy.cuda.graph.Graph: the captured work, replayed in order by launch()."""
+    """cupy.cuda.graph.Graph: the captured work, replayed in order by launch(). Each
+    communicator whose calls it captured holds it (weakly) until it is collected: none of
+    them can be freed before (rule 19)."""
 
     def __init__(self, ops: List[tuple]) -> None:
         self.ops = ops
+        for op, _ in ops:
+            for comm in _CapturedCall.communicators(op):
+                comm._graphs.add(self)
 
     def launch(self, stream: Optional[Stream] = None) -> None:
-        """Replay on ``stream``; refused before anything runs if a communicator whose calls
-        were captured is destroyed or aborted (rule 19: the graph's NCCL kernels would use
-        its freed memory); the captured NCCL calls take their place in their communicator's
-        order (rule 18)."""
+        """Replay on ``stream``: the captured NCCL calls take their place in their
+        communicator's order (rule 18)."""
         stream = _resolved(stream or get_current_stream())
-        for op, name in self.ops:
-            for comm in _CapturedCall.communicators(op):
-                if not comm._alive:
-                    raise CUDARuntimeError(
-                        f"stand-in: cudaErrorIllegalAddress: the graph's {name} uses an NCCL "
-                        f"communicator that was destroyed or aborted after the capture (its "
-                        f"memory is freed)")
         for op, name in self.ops:
             stream.enqueue(_CapturedCall.replayed(op, stream), f"graph {name}")
 
@@ -1034,6 +1040,20 @@ def groupEnd() -> None:
     stream.enqueue(op, f"nccl group of {len(calls)}")
 
 
+def comm_revoke(comm: int, revoke_flags: int) -> None:
+    """nccl4py's ``nccl.bindings.nccl.comm_revoke`` (ncclCommRevoke) on CuPy's handle
+    ``comm``: the communicator's kernels in flight end now, output undefined, and it refuses
+    later calls; nothing is freed, so it does not wait for graphs (rule 19)."""
+    if revoke_flags != 0:
+        raise NcclError(f"stand-in: ncclInvalidArgument: revoke_flags={revoke_flags} (must "
+                        f"be 0)", status=4)
+    for communicator in list(NcclCommunicator.handles):
+        if communicator.comm == comm != 0:
+            communicator._revoked = True
+            return
+    raise NcclError(f"stand-in: ncclInvalidArgument: no communicator {comm:#x}", status=4)
+
+
 SHARED_GPUS = False   # True: the ranks of one host see the same GPUs (a real node)
 
 
@@ -1075,7 +1095,7 @@ class _Transfers:
                 return MPI.Request.Testall(self.requests)
             except MPI.Exception as error:
                 self.lost = self.comm._member_died(error)
-        return not self.comm._alive
+        return self.comm._ended
 
     def wait(self) -> None:
         """Block until the kernel ends; inside an asynchronous call, raise _Stalled where it
@@ -1086,7 +1106,7 @@ class _Transfers:
                 return
             except MPI.Exception as error:
                 self.lost = self.comm._member_died(error)
-        while self.comm._alive:
+        while not self.comm._ended:
             if getattr(_stalls, "depth", 0):
                 raise _Stalled()
             time.sleep(0.005)
@@ -1119,6 +1139,8 @@ def join_world(mpi_comm: MPI.Intracomm) -> None:
 class NcclCommunicator:
     """cupy.cuda.nccl.NcclCommunicator over MPI on host memory (see the module docstring)."""
 
+    handles: "weakref.WeakSet[NcclCommunicator]" = weakref.WeakSet()   # for comm_revoke
+
     def __init__(self, ndev: int, commId: bytes, rank: int) -> None:
         _converted("NcclCommunicator", ndev, commId, rank)
         if len(commId) != 128:
@@ -1142,6 +1164,9 @@ class NcclCommunicator:
         self._waiting = False   # a kernel waits for a dead member (rule 22)
         self.unique_id = bytes(commId)   # what the members met by (tests compare them)
         self.freed_by = ""   # "ncclCommDestroy" or "ncclCommAbort", once ended (rule 21)
+        self._graphs: "weakref.WeakSet[Graph]" = weakref.WeakSet()   # that captured it (rule 19)
+        self._revoked = False   # comm_revoke ended its kernels (rule 19)
+        NcclCommunicator.handles.add(self)
 
     @staticmethod
     def _meet(ndev: int, host: int, counter: int, rank: int, gpu: tuple) -> MPI.Comm:
@@ -1182,10 +1207,22 @@ class NcclCommunicator:
     def device_id(self) -> int:
         return self._device
 
+    @property
+    def comm(self) -> int:
+        """CuPy's handle (``ncclComm_t`` as an integer), 0 once destroyed or aborted."""
+        return id(self) if self._alive else 0
+
+    @property
+    def _ended(self) -> bool:
+        """Whether its kernels end at once: freed or revoked (rule 19)."""
+        return not self._alive or self._revoked
+
     def _check(self) -> None:
         if not self._alive:
             raise NcclError("stand-in: ncclInvalidArgument: communicator destroyed or aborted "
                             "(its memory is freed)", status=4)
+        if self._revoked:
+            raise NcclError("stand-in: ncclInvalidUsage: communicator revoked", status=5)
 
     @contextlib.contextmanager
     def _entered(self, call: str):
@@ -1211,6 +1248,11 @@ class NcclCommunicator:
         with self._readers_lock:
             if not self._alive:   # CuPy: a no-op once its handle is NULL
                 return
+            if self._graphs:
+                raise NcclError(f"stand-in: {call} waits until every CUDA graph that captured "
+                                f"a call of this communicator is destroyed ({len(self._graphs)} "
+                                f"live): it would hang (NCCL init.cc, commDestroySync)",
+                                status=5)
             if self._inside:
                 raise NcclError(f"stand-in: {call} while another thread is inside "
                                 f"{self._inside[0]} on this communicator (NCCL reads "
@@ -1238,7 +1280,13 @@ class NcclCommunicator:
                                 f"member ({lost}) hangs (NCCL >= 2.31 after an abortive "
                                 f"shrink, pytorch#194679): abort it (ncclCommAbort)", status=5)
             self._free("ncclCommDestroy")
-            self._comm.Free()
+            if not MPI.Is_finalized():
+                self._comm.Free()
+
+    def __del__(self) -> None:
+        """CuPy's ``__dealloc__``: ``destroy()``, in whichever thread collects it (rule 23)."""
+        if getattr(self, "_alive", False):   # (not one whose making failed)
+            self.destroy()
 
     def abort(self) -> None:
         """MPI cannot cancel: the stand-in forbids further use, ends the kernels that wait for
@@ -1263,7 +1311,7 @@ class NcclCommunicator:
         it does nothing on an aborted communicator, and waits where a member died (rule 22),
         as do the later kernels of the communicator."""
         def kernel() -> Optional[list]:
-            if NO_WORK or not self._alive:
+            if NO_WORK or self._ended:
                 return None
             if self._waiting:
                 return [_Transfers(self, [], lost=True)]
@@ -1287,6 +1335,8 @@ class NcclCommunicator:
         split._waiting = False
         split._last = split._user = split._grouping = None
         split._inside, split._readers_lock = [], threading.Lock()
+        split._graphs, split._revoked = weakref.WeakSet(), False
+        NcclCommunicator.handles.add(split)
         return split
 
     # -- the work: every call validates now and runs when its stream gets there

@@ -417,19 +417,57 @@ def test_graph_launches_take_their_place_in_the_communicators_order():
     comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
     graph.launch(sd.Stream(non_blocking=True))
     assert not held.pending, "a replay ran before the communicator's earlier call"
+    del graph                                       # (rule 19: before the communicator)
     comm.destroy()
 
 
 @pytest.mark.parametrize("end", ["destroy", "abort"])
-def test_a_graph_of_a_freed_communicator_is_refused(end):
+def test_a_communicator_is_not_freed_while_a_graph_that_captured_it_lives(end):
     comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
     x = sd.asarray(np.ones(2))
     graph = captured_all_reduce(comm, x)
+    with pytest.raises(sd.NcclError, match=f"{'ncclComm' + end.title()} waits until every "
+                                           f"CUDA graph .* is destroyed .*commDestroySync"):
+        getattr(comm, end)()
+    assert comm.freed_by == "" and comm.comm != 0
+    graph.launch(sd.Stream(non_blocking=True))     # its graph still replays
+    del graph
+    gc.collect()
     getattr(comm, end)()
+    assert comm.freed_by == f"ncclComm{end.title()}" and comm.comm == 0
+
+
+def test_revoke_ends_the_kernels_in_flight_and_frees_nothing(monkeypatch):
+    monkeypatch.setattr(sd, "LOSSES", frozenset({MPI.ERR_PROC_FAILED}))   # ULFM's, modelled
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    x = sd.asarray(np.ones(2))
+    graph = captured_all_reduce(comm, x)
+    comm._comm = _DeadMember(comm._comm)
     stream = sd.Stream(non_blocking=True)
-    with pytest.raises(sd.CUDARuntimeError, match="cudaErrorIllegalAddress"):
-        graph.launch(stream)
-    assert stream.enqueued == 0
+    graph.launch(stream)                           # its kernel waits for the dead member
+    assert not stream.done
+    with pytest.raises(sd.NcclError, match="ncclInvalidArgument"):
+        sd.comm_revoke(comm.comm, 1)
+    sd.comm_revoke(comm.comm, 0)
+    stream.synchronize()                           # ended, not waited for
+    assert comm.freed_by == ""
+    with pytest.raises(sd.NcclError, match="revoked"):
+        comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, stream.ptr)
+    with pytest.raises(sd.NcclError, match="waits until every CUDA graph"):
+        comm.abort()                               # (the graph still lives)
+    del graph
+    gc.collect()
+    comm.abort()
+
+
+# -- CuPy's destructor destroys a communicator collected unfreed (rule 23) -------------------------
+def test_a_collected_communicator_is_destroyed_in_the_collecting_thread():
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    mpi_comm = comm._comm
+    comm.cycle = comm                              # collected by the cycle collector only
+    del comm
+    in_new_thread(gc.collect)
+    assert mpi_comm == MPI.COMM_NULL               # ncclCommDestroy freed it
 
 
 # -- the legacy null stream and the per-thread default stream ----------------------------------------------
