@@ -62,7 +62,7 @@ import ctypes
 import functools
 import importlib
 import threading
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 from .._bootstrap import broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
@@ -127,6 +127,20 @@ def _driver_capture_mode_exchange() -> Any:
     return exchange
 
 
+@functools.lru_cache(maxsize=None)
+def _revoker(nccl: Any) -> Optional[Callable[[int, int], None]]:
+    """``comm_revoke(handle, flags)``, ncclCommRevoke through NVIDIA's nccl4py (an optional
+    extra: CuPy has no binding), or None where nccl4py is missing or its NCCL is not the
+    one ``nccl`` (CuPy's module) runs, at least 2.28.9 (a handle is only valid in its own
+    library)."""
+    try:
+        bindings = importlib.import_module("nccl.bindings.nccl")
+        same = bindings.get_version() == nccl.get_version() >= _REVOKE_SINCE
+        return bindings.comm_revoke if same else None
+    except Exception:   # not installed, or a libnccl it cannot load
+        return None
+
+
 def library_version(cupy: Any) -> str:
     """NCCL's version, e.g. ``"2.23.4"``, as ``cupy``'s NCCL module reports it; ``""`` where
     CuPy has no NCCL module or libnccl cannot load."""
@@ -153,7 +167,12 @@ _REDUCTIONS = _reduction_table()
 # stream captures is asked as ``stream.ptr not in _LEGACY and stream.is_capturing()``.
 _LEGACY = (0, 1)
 _MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype as it is
-_KEPT_FOR_GRAPHS: list = []   # NCCL communicators closed while graphs may replay their calls
+# NCCL communicators closed or aborted while CUDA graphs may replay their calls: never
+# destroyed nor aborted, not even by CuPy's destructor at exit (both wait until every such
+# graph is destroyed: NCCL init.cc, commDestroySync), so the list is never freed.
+_KEPT_FOR_GRAPHS: list = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT_FOR_GRAPHS))
+_REVOKE_SINCE = 22809   # ncclCommRevoke: NCCL 2.28.9
 _thread = threading.get_ident
 
 
@@ -513,7 +532,8 @@ class NcclBackend:
         the watchdog's event after it, so that a replay that does not complete (a peer that
         never launches its graph) is aborted after the timeout and named. NCCL serializes
         the graph launches of a communicator with its other calls, so that one event still
-        covers all of them. Refused once the communicator was aborted (its memory is freed)."""
+        covers all of them. Refused once the communicator was aborted (its memory freed, or
+        its kernels revoked)."""
         with self._lifetime:
             if self._aborted:
                 raise self._was_aborted("launch_graph", self._tracker.seq)
@@ -587,20 +607,42 @@ class NcclBackend:
         self.abort(f"{name} #{at} timed out after {timeout:g} s")
         raise CollectiveTimeout(
             f"{name} #{at}: not completed after {timeout:g} s on rank {self._rank}; "
-            f"{arrivals}; the NCCL communicator was aborted (ncclCommAbort), this "
+            f"{arrivals}; the NCCL communicator was aborted ({self._aborted}), this "
             f"communicator cannot run device collectives any more",
             collective=name, seq=at, missing=late)
 
     def abort(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> bool:
         """Abort the NCCL communicator: its pending operations end, it cannot be used again
         (``lost``: because these world ranks died; later calls raise PeerLost naming them).
-        Returns whether this call aborted it (False if it already was)."""
+        Returns whether this call aborted it (False if it already was). One whose calls CUDA
+        graphs captured is revoked instead, where nccl4py can, and kept (see
+        :meth:`_end_for_graphs`)."""
         with self._lifetime:
             if self._aborted:
                 return False
             self._aborted, self._lost = reason, None if lost is None else tuple(sorted(lost))
-            self._comm.abort()
+            if self._captures:
+                self._end_for_graphs()
+            else:
+                self._comm.abort()
         return True
+
+    def _end_for_graphs(self) -> None:
+        """End a communicator whose calls CUDA graphs captured without waiting on a graph the
+        user holds: ncclCommAbort would wait until every such graph is destroyed (NCCL
+        ``init.cc``, commDestroySync), so its kernels are stopped by ncclCommRevoke where
+        nccl4py has it (else they run on until they complete or the process ends) and the
+        communicator is kept, never freed."""
+        revoke = _revoker(self._nccl_module)
+        if revoke is not None:
+            try:
+                revoke(self._comm.comm, 0)
+            except Exception as error:   # nccl4py's own errors: say so, and keep it
+                self._aborted += f"; ncclCommRevoke failed: {error}"
+        else:
+            self._aborted += ("; kept, not aborted: CUDA graphs captured its calls (drop "
+                              "them, and any kernel still waiting ends with the process)")
+        _KEPT_FOR_GRAPHS.append(self._comm)
 
     # -- what the watchdog thread asks (no MPI, no blocking) --------------------------------------
     def has_pending_work(self) -> bool:
@@ -660,6 +702,6 @@ class NcclBackend:
             self._spare_events.clear()
             self._held.clear()
             if self._captures:
-                _KEPT_FOR_GRAPHS.append(self._comm)   # (CuPy destroys it when collected)
+                _KEPT_FOR_GRAPHS.append(self._comm)
             else:
                 self._comm.destroy()
