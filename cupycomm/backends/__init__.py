@@ -166,3 +166,7 @@ class DeviceBackend(Collectives, DeviceCompletion, Health, Protocol):
     def stream(self) -> Any: ...   # the comm stream (async calls, batch() blocks)
 
     def split(self, color: Optional[int], key: int) -> Any: ...
+
+    def drop(self) -> None:
+        """Its communicator was collected unclosed (in any thread): free nothing now, and
+        close at a safe point (:func:`cupycomm._bootstrap.at_safe_point`)."""

@@ -64,7 +64,7 @@ import importlib
 import threading
 from typing import Any, Callable, Iterator, Optional, Tuple
 
-from .._bootstrap import broadcast_unique_id
+from .._bootstrap import at_safe_point, broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
 from .._packing import offsets
 from ..errors import CollectiveTimeout, NcclError, PeerLost
@@ -173,6 +173,9 @@ _MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype
 _KEPT_FOR_GRAPHS: list = []
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT_FOR_GRAPHS))
 _REVOKE_SINCE = 22809   # ncclCommRevoke: NCCL 2.28.9
+# Backends whose communicator was collected unclosed (NcclBackend.drop), to close at a safe
+# point: CuPy's destructor would run ncclCommDestroy in the collecting thread, at any moment.
+_DROPPED: list = []
 _thread = threading.get_ident
 
 
@@ -685,6 +688,14 @@ class NcclBackend:
         self._stream.synchronize()
         self._finished.synchronize()
 
+    def drop(self) -> None:
+        """Its communicator was collected unclosed, in whichever thread the garbage collector
+        ran: CuPy's destructor would destroy the NCCL communicator there, at any moment,
+        waiting for its kernels and its graphs (NCCL ``init.cc``, commDestroySync). It is
+        kept, and this backend closed at exit on the main thread (:func:`_close_dropped`),
+        where close() keeps it instead if CUDA graphs captured its calls."""
+        _DROPPED.append(self)
+
     def close(self) -> None:
         """Wait for the collectives in flight, then destroy the NCCL communicator (unless the
         watchdog aborted it meanwhile). One whose collectives were captured in CUDA graphs
@@ -705,3 +716,14 @@ class NcclBackend:
                 _KEPT_FOR_GRAPHS.append(self._comm)
             else:
                 self._comm.destroy()
+
+
+def _close_dropped() -> None:
+    """Close the backends of the communicators collected unclosed (see
+    :meth:`NcclBackend.drop`): at exit, on the main thread, after the live ones. Any point
+    reached alike on every rank, between collectives, would be as safe."""
+    while _DROPPED:
+        _DROPPED.pop().close()
+
+
+at_safe_point(_close_dropped)
