@@ -49,7 +49,10 @@ A synchronous call on ``stream=`` keeps its arrays alive until that stream has p
 that stream's pool when dropped. Graph replays through :meth:`NcclBackend.launch_graph` re-record
 ``_finished`` after the graph (NCCL serializes a communicator's graph launches with its
 other calls), so the watchdog watches them; ``close()`` keeps (never destroys) an NCCL
-communicator whose calls were captured, so a replay after it uses no freed memory.
+communicator whose calls were captured, so a replay after it uses no freed memory, and
+``abort()`` keeps (revokes, where nccl4py can) one: ncclCommAbort would wait until the user
+drops every such graph. A communicator collected unclosed hands its backend to a safe point
+(:meth:`NcclBackend.drop`) rather than to CuPy's destructor, in the collecting thread.
 
 Data movement is described to NCCL as bytes; reductions use the NCCL datatype and count
 factor of the dtype table (a complex element is two reals).
