@@ -128,6 +128,13 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     thread the garbage collector runs, with rules 11, 19 and 21 [CuPy
     ``cupy_backends/cuda/libs/nccl.pyx``: ``NcclCommunicator.__dealloc__`` calls
     ``destroy()``, ncclCommDestroy].
+24. The first call (or group) that needs a peer connects to it: the host blocks in the
+    launch (in ``groupEnd`` for a group, in the capture for a captured call) until that
+    peer's first call that needs this rank, a collective needing every member; only
+    :func:`comm_revoke` ends the wait [NCCL ``init.cc``: NCCL_RUNTIME_CONNECT, on by
+    default since 2.22, defers the transport setup from ncclCommInitRank to the first
+    launch; ``transport.cc`` ncclTransportP2pSetup waits for the peer's side there, polling
+    the communicator's abort flag].
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -982,6 +989,7 @@ LOSSES = FAILURES if _ULFM else frozenset()
 # NCCL's group state is per thread: (stream pointer, issue, communicator) of each call of this
 # thread's open group in ``calls``, how deeply groups nest in ``depth`` (rule 15)
 _groups = threading.local()
+_CONNECT_TAG = 0x5A17   # the messages of rule 24's connections, apart from the kernels'
 
 
 def _open_group() -> Optional[list]:
@@ -1019,23 +1027,27 @@ def groupEnd() -> None:
     if depth > 1:
         return
     calls, _groups.calls = _groups.calls, None
-    for comm in {id(comm): comm for _, _, comm in calls}.values():
+    comms = {id(comm): comm for _, _, comm, _ in calls}.values()
+    for comm in comms:
         comm._grouping = None
     _end_local_group()
     if not calls:
         return
-    streams = {stream_ptr for stream_ptr, _, _ in calls}
+    streams = {stream_ptr for stream_ptr, _, _, _ in calls}
     if len(streams) > 1:
         raise NcclError("stand-in: one group on several streams is not modelled")
+    for comm in comms:   # rule 24: the group's launch connects the peers its calls need
+        with comm._entered("ncclGroupEnd"):
+            comm._connect({p for _, _, c, peers in calls if c is comm for p in peers})
 
     def run():
         requests: list = []
-        for _, issue, _ in calls:
+        for _, issue, _, _ in calls:
             requests.extend(issue() or [])
         return requests
     stream = Stream.from_ptr(streams.pop())
     op = lambda: None if NO_WORK else run()
-    for comm in {id(comm): comm for _, _, comm in calls}.values():
+    for comm in comms:
         op = comm._in_order(stream, op)
     stream.enqueue(op, f"nccl group of {len(calls)}")
 
@@ -1166,6 +1178,7 @@ class NcclCommunicator:
         self.freed_by = ""   # "ncclCommDestroy" or "ncclCommAbort", once ended (rule 21)
         self._graphs: "weakref.WeakSet[Graph]" = weakref.WeakSet()   # that captured it (rule 19)
         self._revoked = False   # comm_revoke ended its kernels (rule 19)
+        self._connected: set = set()   # the peers connected by a call (rule 24)
         NcclCommunicator.handles.add(self)
 
     @staticmethod
@@ -1335,23 +1348,45 @@ class NcclCommunicator:
         split._waiting = False
         split._last = split._user = split._grouping = None
         split._inside, split._readers_lock = [], threading.Lock()
-        split._graphs, split._revoked = weakref.WeakSet(), False
+        split._graphs, split._revoked, split._connected = weakref.WeakSet(), False, set()
         NcclCommunicator.handles.add(split)
         return split
 
     # -- the work: every call validates now and runs when its stream gets there
     def _submit(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]],
-                nonblocking: Optional[Callable[[], list]] = None) -> None:
+                nonblocking: Optional[Callable[[], list]] = None, peer: int = -1) -> None:
+        """Validate now, run when the stream gets there; ``peer``: the one rank a send or
+        receive needs (-1: a collective, every member)."""
+        peers = range(self._size) if peer == -1 else (peer,)
         with self._entered(f"nccl{name[0].upper()}{name[1:]}"):
             self._check_thread(name)
             group = _open_group()
             if group is not None:
                 # In a group, sends and receives start as MPI requests and collectives run in
                 # the order they were issued (NCCL requires every rank to issue them alike).
-                group.append((stream_ptr, self._kernel(nonblocking or run), self))
+                group.append((stream_ptr, self._kernel(nonblocking or run), self, peers))
                 self._grouping = threading.get_ident()
                 return
+            self._connect(peers)
             self._enqueue(stream_ptr, name, run)
+
+    def _connect(self, peers: Any) -> None:
+        """NCCL's runtime connect (rule 24): block until each of ``peers`` not connected yet
+        has made its own first call that needs this rank; a revoke ends the wait."""
+        new = [p for p in peers if p != self._rank and p not in self._connected]
+        if not new:
+            return
+        requests = [self._comm.Isend([b"", MPI.BYTE], p, _CONNECT_TAG) for p in new]
+        requests += [self._comm.Irecv([bytearray(0), MPI.BYTE], p, _CONNECT_TAG) for p in new]
+        try:
+            while not MPI.Request.Testall(requests):
+                if self._revoked:
+                    raise NcclError("stand-in: ncclInvalidUsage: the communicator was revoked "
+                                    "while connecting its peers", status=5)
+                time.sleep(0.001)
+        except MPI.Exception as error:   # a member died: its kernels will wait (rule 22)
+            self._member_died(error)
+        self._connected.update(new)
 
     def _check_thread(self, name: str) -> None:
         """Rule 15: a call from another thread than the last one's while that call has not
@@ -1451,13 +1486,13 @@ class NcclCommunicator:
         _converted("send", sendbuf, count, datatype, peer, stream)
         buf = _view(sendbuf, count, datatype, "send sendbuff")
         issue = lambda: [self._comm.Isend(buf, peer)]
-        self._submit(stream, "send", issue, issue)
+        self._submit(stream, "send", issue, issue, peer)
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         _converted("recv", recvbuf, count, datatype, peer, stream)
         buf = _view(recvbuf, count, datatype, "recv recvbuff")
         issue = lambda: [self._comm.Irecv(buf, peer)]
-        self._submit(stream, "recv", issue, issue)
+        self._submit(stream, "recv", issue, issue, peer)
 
 
 # The module layout CuPy has: cupy.cuda and cupy.cuda.runtime are there once the package is

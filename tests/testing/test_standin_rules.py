@@ -522,3 +522,47 @@ def test_a_refused_peer_access_leaves_no_last_error_as_cupy_resets_it(monkeypatc
         sd.cuda.runtime.deviceEnablePeerAccess(1)
     assert sd.last_error() == 704
     assert in_new_thread(sd.last_error) == 0
+
+
+# -- the first call that needs a peer connects to it, waiting for it (rule 24) -------------------
+def world_communicator():
+    world = MPI.COMM_WORLD
+    unique_id = world.bcast(sd.get_unique_id() if world.rank == 0 else None)
+    return sd.NcclCommunicator(world.size, unique_id, world.rank)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_first_call_that_needs_a_peer_waits_in_the_host_for_it():
+    comm = world_communicator()
+    x = sd.asarray(np.ones(2))
+    held = sd.Stream(non_blocking=True, deferred=True)   # its kernels never run: launches only
+    if comm.rank_id() == 1:
+        time.sleep(0.5)
+    began = time.monotonic()
+    comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+    if comm.rank_id() == 0:
+        assert time.monotonic() - began >= 0.4     # the host waited for rank 1's first call
+    began = time.monotonic()
+    comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+    assert time.monotonic() - began < 0.3          # connected: a launch returns at once
+    held.pending.clear()
+    comm.destroy()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_revoke_ends_the_wait_for_a_peer_that_never_connects():
+    comm = world_communicator()
+    x = sd.asarray(np.ones(2))
+    held = sd.Stream(non_blocking=True, deferred=True)
+    if comm.rank_id() == 0:
+        revoke = threading.Timer(0.3, sd.comm_revoke, (comm.comm, 0))
+        revoke.start()
+        with pytest.raises(sd.NcclError, match="revoked while connecting"):
+            comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+        revoke.join()
+    else:
+        time.sleep(1.0)   # rank 0 gave up meanwhile; this rank's side of the connection is met
+        comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+    MPI.COMM_WORLD.Barrier()
+    held.pending.clear()
+    comm.destroy()
