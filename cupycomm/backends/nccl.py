@@ -170,12 +170,14 @@ _REDUCTIONS = _reduction_table()
 # stream captures is asked as ``stream.ptr not in _LEGACY and stream.is_capturing()``.
 _LEGACY = (0, 1)
 _MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype as it is
-# NCCL communicators closed or aborted while CUDA graphs may replay their calls: never
-# destroyed nor aborted, not even by CuPy's destructor at exit (both wait until every such
-# graph is destroyed: NCCL init.cc, commDestroySync), so the list is never freed.
+# NCCL communicators closed or aborted while CUDA graphs may replay their calls (or while a
+# launch is blocked inside NCCL): never destroyed nor aborted, not even by CuPy's destructor
+# at exit (both wait until every such graph is destroyed: NCCL init.cc, commDestroySync), so
+# the list is never freed.
 _KEPT_FOR_GRAPHS: list = []
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT_FOR_GRAPHS))
 _REVOKE_SINCE = 22809   # ncclCommRevoke: NCCL 2.28.9
+_LAUNCH_GRACE = 1.0     # seconds an abort waits for a launch to leave NCCL before it is "blocked"
 # Backends whose communicator was collected unclosed (NcclBackend.drop), to close at a safe
 # point: CuPy's destructor would run ncclCommDestroy in the collecting thread, at any moment.
 _DROPPED: list = []
@@ -224,10 +226,11 @@ class NcclBackend:
         # communicator is not thread-safe, and ncclCommAbort frees what a launch uses.
         self._lifetime = threading.Lock()
         with self._device:
-            if nccl_comm is None:
-                unique_id = broadcast_unique_id(mpi_comm, nccl.get_unique_id)
-                nccl_comm = self._nccl(lambda: nccl.NcclCommunicator(
-                    self._size, unique_id, self._rank), "init")
+            if nccl_comm is None:   # both wait for every rank: watched, as a call
+                with tracker.inside(f"init_device #{tracker.seq + 1}"):
+                    unique_id = broadcast_unique_id(mpi_comm, nccl.get_unique_id)
+                    nccl_comm = self._nccl(lambda: nccl.NcclCommunicator(
+                        self._size, unique_id, self._rank), "init")
             self._comm = nccl_comm
             self._stream = cuda.Stream(non_blocking=True)
             self._ready = cuda.Event(disable_timing=True)      # caller's stream, async calls
@@ -359,11 +362,17 @@ class NcclBackend:
 
     def _run(self, call, args: tuple, stream: Any, label: str, unpack) -> None:
         """``call(*args, stream_ptr)`` on ``stream``, then all_gather's list parts copied out
-        of the gathered array there."""
+        of the gathered array there. The launch is marked busy: it can block the host (NCCL
+        connects a peer inside the first call that needs it, and waits for it there), and
+        the watchdog then names it."""
+        tracker = self._tracker
+        tracker.busy = label
         try:
             call(*args, stream.ptr)
         except self._raw_error as error:
             raise self._failed(label, error) from error
+        finally:
+            tracker.busy = None
         if unpack:
             with stream:
                 for dst, src in unpack:
@@ -407,12 +416,13 @@ class NcclBackend:
         stream.wait_event(self._ready)
         nccl = self._nccl_module
         try:
-            nccl.groupStart()
-            try:
-                for call, args, _ in group.calls:
-                    call(*args, stream.ptr)
-            finally:
-                nccl.groupEnd()
+            with self._tracker.inside("batch"):   # groupEnd connects peers: it may block
+                nccl.groupStart()
+                try:
+                    for call, args, _ in group.calls:
+                        call(*args, stream.ptr)
+                finally:
+                    nccl.groupEnd()
         except self._raw_error as error:
             raise self._failed("batch", error) from error
         with stream:   # all_gather's list parts, copied out after the group
@@ -545,7 +555,8 @@ class NcclBackend:
                 raise self._was_aborted("launch_graph", self._tracker.seq)
             with self._device:
                 here = self._current_stream(self.device_id) if stream is None else stream
-                graph.launch(here)
+                with self._tracker.inside("launch_graph"):   # cudaGraphLaunch may block
+                    graph.launch(here)
                 if not (here.ptr not in _LEGACY and here.is_capturing()):
                     self._finished.record(here)
                     self._replays = (self._replays[0] + 1, self._tracker.seq)
@@ -620,34 +631,44 @@ class NcclBackend:
     def abort(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> bool:
         """Abort the NCCL communicator: its pending operations end, it cannot be used again
         (``lost``: because these world ranks died; later calls raise PeerLost naming them).
-        Returns whether this call aborted it (False if it already was). One whose calls CUDA
-        graphs captured is revoked instead, where nccl4py can, and kept (see
-        :meth:`_end_for_graphs`)."""
-        with self._lifetime:
+        Returns whether this call aborted it (False if it already was). Never waits on what
+        it cannot bound: one whose calls CUDA graphs captured (ncclCommAbort would wait until
+        the user drops them: NCCL ``init.cc``, commDestroySync), or whose launch has been
+        inside NCCL on another thread for ``_LAUNCH_GRACE`` s (blocked: NCCL connects a peer
+        inside the first call that needs it), is revoked instead, where nccl4py can, and
+        kept (:meth:`_keep`)."""
+        lost = None if lost is None else tuple(sorted(lost))
+        if not self._lifetime.acquire(timeout=_LAUNCH_GRACE):
             if self._aborted:
                 return False
-            self._aborted, self._lost = reason, None if lost is None else tuple(sorted(lost))
+            self._aborted, self._lost = reason, lost   # (read at the next call's entry)
+            self._keep("a launch is blocked inside NCCL on another thread")
+            return True
+        try:
+            if self._aborted:
+                return False
+            self._aborted, self._lost = reason, lost
             if self._captures:
-                self._end_for_graphs()
+                self._keep("CUDA graphs captured its calls (drop them)")
             else:
                 self._comm.abort()
+        finally:
+            self._lifetime.release()
         return True
 
-    def _end_for_graphs(self) -> None:
-        """End a communicator whose calls CUDA graphs captured without waiting on a graph the
-        user holds: ncclCommAbort would wait until every such graph is destroyed (NCCL
-        ``init.cc``, commDestroySync), so its kernels are stopped by ncclCommRevoke where
-        nccl4py has it (else they run on until they complete or the process ends) and the
-        communicator is kept, never freed."""
+    def _keep(self, why: str) -> None:
+        """End the NCCL communicator without ncclCommAbort, which would wait (``why``): its
+        kernels are stopped by ncclCommRevoke where nccl4py has it, else they run on until
+        they complete or the process ends; it is kept, never freed."""
         revoke = _revoker(self._nccl_module)
         if revoke is not None:
             try:
                 revoke(self._comm.comm, 0)
+                why = ""
             except Exception as error:   # nccl4py's own errors: say so, and keep it
-                self._aborted += f"; ncclCommRevoke failed: {error}"
-        else:
-            self._aborted += ("; kept, not aborted: CUDA graphs captured its calls (drop "
-                              "them, and any kernel still waiting ends with the process)")
+                why += f"; ncclCommRevoke failed: {error}"
+        if why:
+            self._aborted += f"; kept, not aborted: {why}"
         _KEPT_FOR_GRAPHS.append(self._comm)
 
     # -- what the watchdog thread asks (no MPI, no blocking) --------------------------------------
