@@ -85,7 +85,7 @@ def device_peer_dies() -> None:
     world = cupycomm.init(timeout=60.0, device_module=standin)
     # reversed, so that PeerLost's world numbering differs from this communicator's
     comm = world.split(0, key=world.size - world.rank)
-    comm.init_device()
+    comm.all_reduce(standin.zeros(1))   # connected (stand-in rule 24): a launch never waits
     culprit = comm.size - 1   # world rank 0
     if comm.rank == culprit:
         time.sleep(1.0)   # the others' receives are posted by then
