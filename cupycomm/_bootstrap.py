@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["world", "node_comm", "node_name", "check_launch", "choose_device",
-           "import_cupy", "broadcast_unique_id", "track_for_exit", "describe_rank", "exiting"]
+           "import_cupy", "broadcast_unique_id", "track_for_exit", "at_safe_point",
+           "describe_rank", "exiting"]
 
 
 def world() -> MPI.Comm:
@@ -166,12 +167,21 @@ def broadcast_unique_id(comm: MPI.Comm, make: Callable[[], Any]) -> Any:
 
 # -- exit order: NCCL communicators before MPI_Finalize -------------------------------------------
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_SAFE_POINT: list = []   # what close_all runs after closing the live communicators
 _exiting = False
 
 
 def track_for_exit(communicator: Any) -> None:
     """Close ``communicator`` at interpreter exit, before mpi4py finalizes MPI."""
     _LIVE.add(communicator)
+
+
+def at_safe_point(release: Callable[[], None]) -> None:
+    """Have :func:`close_all` (at interpreter exit, on the main thread, before MPI is
+    finalized) call ``release()`` after closing the live communicators: what must not be
+    freed in whichever thread the garbage collector runs (a dropped communicator's NCCL
+    communicator, see :meth:`cupycomm.backends.nccl.NcclBackend.drop`)."""
+    _SAFE_POINT.append(release)
 
 
 def exiting() -> bool:
@@ -187,6 +197,11 @@ def close_all() -> None:
             communicator.close()
         except Exception as error:  # exit must go on; say what failed
             sys.stderr.write(f"cupycomm: closing a communicator at exit failed: {error!r}\n")
+    for release in _SAFE_POINT:
+        try:
+            release()
+        except Exception as error:  # as above
+            sys.stderr.write(f"cupycomm: releasing at exit failed: {error!r}\n")
 
 
 # mpi4py finalizes MPI after the atexit handlers, so this runs first.

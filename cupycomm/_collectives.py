@@ -13,7 +13,8 @@ list of collectives.
   watchdog does not end such a wait for it);
 - ``object``: every rank, with pickled Python objects (:mod:`cupycomm.objects`);
 - ``internal``: a wait of cupycomm's own (the end of a ``batch()`` block is point-to-point
-  traffic; the debug check, ``close``, ``agree`` and ``shrink`` are collective).
+  traffic; the debug check, ``close``, ``agree``, ``shrink``, the making of the NCCL
+  communicator and a graph's launch are collective).
 """
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ CALLS: Tuple[Call, ...] = (
     Call("agree", INTERNAL),
     Call("shrink", INTERNAL),
     Call("grow", INTERNAL),
+    Call("init_device", INTERNAL, nccl_call="ncclGetUniqueId, ncclCommInitRank"),
+    Call("launch_graph", INTERNAL, nccl_call="cudaGraphLaunch"),
 )
 
 _CODES: Dict[str, int] = {call.name: code for code, call in enumerate(CALLS, start=1)}

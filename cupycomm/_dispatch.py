@@ -211,6 +211,13 @@ class Router:
             self._tracker.device = self.device = device
         return device
 
+    def drop(self) -> None:
+        """The communicator was collected unclosed, in whichever thread the garbage collector
+        ran: the device backend is closed at a safe point instead (see
+        :meth:`DeviceBackend.drop`)."""
+        if self.device is not None:
+            self.device.drop()
+
     def close(self) -> None:
         """Close the backends (waiting for their calls in flight); no array is taken after."""
         self.backends = {}

@@ -8,6 +8,8 @@ common-case test at the top of a method and its prepared host call, else the gen
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, ContextManager, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -100,6 +102,10 @@ class Communicator:
         if debug:
             _debug.install(self)
         _bootstrap.track_for_exit(self)
+        # collected unclosed: warn, and free nothing in the collecting thread (any thread)
+        self._unclosed = weakref.finalize(self, _collected_unclosed, self.name, self.rank,
+                                          router)
+        self._unclosed.atexit = False   # (close_all closes it at exit)
 
     # -- properties and the device ----------------------------------------------------------------
     @property
@@ -518,6 +524,7 @@ class Communicator:
         if self._checks.closed:
             return
         self._checks.closed = True
+        self._unclosed.detach()
         self._prepared.disable()
         tracker = self.parts.tracker
         try:   # calls still in flight are waited for while the watchdog still looks
@@ -540,3 +547,13 @@ class Communicator:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"device={self._router.device_id}"
         return f"<cupycomm.Communicator {self.name} rank {self.rank} of {self.size}, {state}>"
+
+
+def _collected_unclosed(name: str, rank: int, router: Router) -> None:
+    """A communicator was collected without close(), in whichever thread the garbage collector
+    ran: say so, as an unclosed file does, and leave its NCCL communicator to a safe point
+    (:meth:`Router.drop`)."""
+    warnings.warn(f"communicator {name} was collected unclosed on rank {rank}: close() it (or "
+                  f"use it as a context manager); its NCCL communicator is kept until exit",
+                  ResourceWarning)
+    router.drop()

@@ -1,4 +1,7 @@
 """Subgroups: split and new_group give full communicators, on host and device arrays."""
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -106,6 +109,32 @@ def test_device_subgroup_gets_its_nccl_communicator(monkeypatch, version, eager)
         assert_equal(STANDIN, total,
                      np.array([sum(members_of(comm, lambda r: r % 2))], np.int64))
         half.close()
+
+
+@pytest.mark.parametrize("make", ["split", "new_group"])
+def test_a_dropped_subgroup_is_never_destroyed_by_the_garbage_collector(make):
+    """Issue 32 finding 7: CuPy's destructor runs ncclCommDestroy (stand-in rule 23) in
+    whichever thread collects a communicator dropped unclosed, at any moment, waiting for
+    its kernels and graphs. It warns instead, as an unclosed file does, and its NCCL
+    communicator is destroyed at exit, on the main thread."""
+    from arrays import STANDIN, in_new_thread
+    from cupycomm import _bootstrap
+    from cupycomm.backends import nccl
+    with STANDIN.comm() as comm:
+        comm.init_device()
+        sub = comm.split(0) if make == "split" else comm.new_group(list(range(comm.size)))
+        total = sub.all_reduce(standin.asarray(np.ones(2)))
+        assert_equal(STANDIN, total, np.full(2, float(comm.size)))
+        raw = weakref.ref(sub.parts.router.device._comm)
+        sub.cycle = sub                              # collected by the cycle collector alone
+        del sub
+        with pytest.warns(ResourceWarning, match="collected unclosed on rank .*: close"):
+            in_new_thread(gc.collect)                # (as the watchdog's thread may)
+        kept = raw()
+        assert kept is not None and kept.freed_by == ""
+        assert nccl._close_dropped in _bootstrap._SAFE_POINT   # close_all runs it at exit
+        nccl._close_dropped()
+        assert kept.freed_by == "ncclCommDestroy"
 
 
 def test_split_takes_numpy_integers(comm):

@@ -126,7 +126,7 @@ class Marks(Protocol):
     """What a backend writes per call, on the main thread, for the watchdog thread to read.
 
     Example (each of the host backend's calls; the device backend writes ``(label, "nccl")``
-    in the ring and no ``busy``)::
+    in the ring, and ``busy`` only while the launch itself lasts, which may block the host)::
 
         marks.seq = seq = marks.seq + 1        # the call's number on this communicator
         marks.flight.calls[seq % marks.flight.size] = "all_reduce"
@@ -170,3 +170,7 @@ class DeviceBackend(Collectives, DeviceCompletion, Health, Protocol):
     def settle(self, label: str) -> None:
         """Block until every collective launched outside captures has completed, then raise
         what cut any short (``label`` names the caller in the error)."""
+
+    def drop(self) -> None:
+        """Its communicator was collected unclosed (in any thread): free nothing now, and
+        close at a safe point (:func:`cupycomm._bootstrap.at_safe_point`)."""

@@ -49,7 +49,10 @@ A synchronous call on ``stream=`` keeps its arrays alive until that stream has p
 that stream's pool when dropped. Graph replays through :meth:`NcclBackend.launch_graph` re-record
 ``_finished`` after the graph (NCCL serializes a communicator's graph launches with its
 other calls), so the watchdog watches them; ``close()`` keeps (never destroys) an NCCL
-communicator whose calls were captured, so a replay after it uses no freed memory.
+communicator whose calls were captured, so a replay after it uses no freed memory, and
+``abort()`` keeps (revokes, where nccl4py can) one: ncclCommAbort would wait until the user
+drops every such graph. A communicator collected unclosed hands its backend to a safe point
+(:meth:`NcclBackend.drop`) rather than to CuPy's destructor, in the collecting thread.
 
 Data movement is described to NCCL as bytes; reductions use the NCCL datatype and count
 factor of the dtype table (a complex element is two reals).
@@ -62,9 +65,9 @@ import ctypes
 import functools
 import importlib
 import threading
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
-from .._bootstrap import broadcast_unique_id
+from .._bootstrap import at_safe_point, broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
 from .._packing import offsets
 from ..errors import CollectiveTimeout, NcclError, PeerLost
@@ -127,6 +130,20 @@ def _driver_capture_mode_exchange() -> Any:
     return exchange
 
 
+@functools.lru_cache(maxsize=None)
+def _revoker(nccl: Any) -> Optional[Callable[[int, int], None]]:
+    """``comm_revoke(handle, flags)``, ncclCommRevoke through NVIDIA's nccl4py (an optional
+    extra: CuPy has no binding), or None where nccl4py is missing or its NCCL is not the
+    one ``nccl`` (CuPy's module) runs, at least 2.28.9 (a handle is only valid in its own
+    library)."""
+    try:
+        bindings = importlib.import_module("nccl.bindings.nccl")
+        same = bindings.get_version() == nccl.get_version() >= _REVOKE_SINCE
+        return bindings.comm_revoke if same else None
+    except Exception:   # not installed, or a libnccl it cannot load
+        return None
+
+
 def library_version(cupy: Any) -> str:
     """NCCL's version, e.g. ``"2.23.4"``, as ``cupy``'s NCCL module reports it; ``""`` where
     CuPy has no NCCL module or libnccl cannot load."""
@@ -153,7 +170,17 @@ _REDUCTIONS = _reduction_table()
 # stream captures is asked as ``stream.ptr not in _LEGACY and stream.is_capturing()``.
 _LEGACY = (0, 1)
 _MOVEMENTS = {dtype: None for dtype in DTYPES}   # NCCL moves bytes: every dtype as it is
-_KEPT_FOR_GRAPHS: list = []   # NCCL communicators closed while graphs may replay their calls
+# NCCL communicators closed or aborted while CUDA graphs may replay their calls (or while a
+# launch is blocked inside NCCL): never destroyed nor aborted, not even by CuPy's destructor
+# at exit (both wait until every such graph is destroyed: NCCL init.cc, commDestroySync), so
+# the list is never freed.
+_KEPT_FOR_GRAPHS: list = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT_FOR_GRAPHS))
+_REVOKE_SINCE = 22809   # ncclCommRevoke: NCCL 2.28.9
+_LAUNCH_GRACE = 1.0     # seconds an abort waits for a launch to leave NCCL before it is "blocked"
+# Backends whose communicator was collected unclosed (NcclBackend.drop), to close at a safe
+# point: CuPy's destructor would run ncclCommDestroy in the collecting thread, at any moment.
+_DROPPED: list = []
 _thread = threading.get_ident
 
 
@@ -223,10 +250,11 @@ class NcclBackend:
         # communicator is not thread-safe, and ncclCommAbort frees what a launch uses.
         self._lifetime = threading.Lock()
         with self._device:
-            if nccl_comm is None:
-                unique_id = broadcast_unique_id(mpi_comm, nccl.get_unique_id)
-                nccl_comm = self._nccl(lambda: nccl.NcclCommunicator(
-                    self._size, unique_id, self._rank), "init")
+            if nccl_comm is None:   # both wait for every rank: watched, as a call
+                with tracker.inside(f"init_device #{tracker.seq + 1}"):
+                    unique_id = broadcast_unique_id(mpi_comm, nccl.get_unique_id)
+                    nccl_comm = self._nccl(lambda: nccl.NcclCommunicator(
+                        self._size, unique_id, self._rank), "init")
             self._comm = nccl_comm
             self._stream = cuda.Stream(non_blocking=True)
             self._ready = cuda.Event(disable_timing=True)      # caller's stream, async calls
@@ -383,11 +411,17 @@ class NcclBackend:
 
     def _run(self, call, args: tuple, stream: Any, label: str, unpack) -> None:
         """``call(*args, stream_ptr)`` on ``stream``, then all_gather's list parts copied out
-        of the gathered array there."""
+        of the gathered array there. The launch is marked busy: it can block the host (NCCL
+        connects a peer inside the first call that needs it, and waits for it there), and
+        the watchdog then names it."""
+        tracker = self._tracker
+        tracker.busy = label
         try:
             call(*args, stream.ptr)
         except self._raw_error as error:
             raise self._launch_failed(label, error) from error
+        finally:
+            tracker.busy = None
         if unpack:
             with stream:
                 for dst, src in unpack:
@@ -431,12 +465,13 @@ class NcclBackend:
         stream.wait_event(self._ready)
         nccl = self._nccl_module
         try:
-            nccl.groupStart()
-            try:
-                for call, args, _ in group.calls:
-                    call(*args, stream.ptr)
-            finally:
-                nccl.groupEnd()
+            with self._tracker.inside("batch"):   # groupEnd connects peers: it may block
+                nccl.groupStart()
+                try:
+                    for call, args, _ in group.calls:
+                        call(*args, stream.ptr)
+                finally:
+                    nccl.groupEnd()
         except self._raw_error as error:
             raise self._launch_failed("batch", error) from error
         with stream:   # all_gather's list parts, copied out after the group
@@ -562,13 +597,15 @@ class NcclBackend:
         the watchdog's event after it, so that a replay that does not complete (a peer that
         never launches its graph) is aborted after the timeout and named. NCCL serializes
         the graph launches of a communicator with its other calls, so that one event still
-        covers all of them. Refused once the communicator was aborted (its memory is freed)."""
+        covers all of them. Refused once the communicator was aborted (its memory freed, or
+        its kernels revoked)."""
         with self._lifetime:
             if self._aborted:
                 raise self._was_aborted("launch_graph", self._tracker.seq)
             with self._device:
                 here = self._current_stream(self.device_id) if stream is None else stream
-                graph.launch(here)
+                with self._tracker.inside("launch_graph"):   # cudaGraphLaunch may block
+                    graph.launch(here)
                 if not (here.ptr not in _LEGACY and here.is_capturing()):
                     self._finished.record(here)
                     self._replays = (self._replays[0] + 1, self._tracker.seq)
@@ -650,30 +687,48 @@ class NcclBackend:
         self.abort(f"{name} #{at} timed out after {timeout:g} s")
         raise CollectiveTimeout(
             f"{name} #{at}: not completed after {timeout:g} s on rank {self._rank}; "
-            f"{arrivals}; the NCCL communicator was aborted (ncclCommAbort), this "
+            f"{arrivals}; the NCCL communicator was aborted ({self._aborted}), this "
             f"communicator cannot run device collectives any more",
             collective=name, seq=at, missing=late)
 
     def abort(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> bool:
         """Abort the NCCL communicator: its pending operations end, it cannot be used again
         (``lost``: because these world ranks died; later calls raise PeerLost naming them).
-        Returns whether this call aborted it (False if it already was)."""
-        with self._lifetime:
+        Returns whether this call aborted it (False if it already was). Never waits on what
+        it cannot bound: one whose calls CUDA graphs captured (ncclCommAbort would wait until
+        the user drops them: NCCL ``init.cc``, commDestroySync), or whose launch has been
+        inside NCCL on another thread for ``_LAUNCH_GRACE`` s (blocked: NCCL connects a peer
+        inside the first call that needs it), is revoked instead, where nccl4py can, and
+        kept (:meth:`_keep`)."""
+        lost = None if lost is None else tuple(sorted(lost))
+        if not self._lifetime.acquire(timeout=_LAUNCH_GRACE):
             if self._aborted:
                 return False
-            self._end(reason, None if lost is None else tuple(sorted(lost)))
+            self._aborted, self._lost = reason, lost   # (read at the next call's entry)
+            self._keep("a launch is blocked inside NCCL on another thread")
+            return True
+        try:
+            if self._aborted:
+                return False
+            self._end(reason, lost)
+        finally:
+            self._lifetime.release()
         return True
 
     def _end(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> None:
-        """Abort the NCCL communicator for ``reason`` (under ``_lifetime``). The async Works
-        whose collectives have not completed are cut short: the abort completes their events
-        with undefined outputs (NCCL's user guide, "Error handling and communicator abort";
-        an H200 wrote zeros), so each then holds a :class:`_CutShort` in place of its event
-        and this backend, and raises the abort's error (as :meth:`_was_aborted` says it
-        then) instead of returning its result; the flight recorder says they were aborted."""
+        """Abort the NCCL communicator for ``reason`` (under ``_lifetime``), or keep it where
+        ncclCommAbort would wait on CUDA graphs (:meth:`_keep`). The async Works whose
+        collectives have not completed are cut short: the abort completes their events with
+        undefined outputs (NCCL's user guide, "Error handling and communicator abort"; an
+        H200 wrote zeros), so each then holds a :class:`_CutShort` in place of its event and
+        this backend, and raises the abort's error (as :meth:`_was_aborted` says it then)
+        instead of returning its result; the flight recorder says they were aborted."""
         cut = self._unfinished()
         self._aborted, self._lost = reason, lost
-        self._comm.abort()
+        if self._captures:
+            self._keep("CUDA graphs captured its calls (drop them)")
+        else:
+            self._comm.abort()
         if cut:
             seq = self._tracker.seq   # (a batch() block's Works have no number of their own)
             self._tracker.flight.aborted(work._number for work in cut if work._number)
@@ -688,6 +743,21 @@ class NcclBackend:
         with _relaxed_capture_mode(self._runtime):
             return [work for work in self._inflight if not work._done
                     and work._event is not None and not work._event.done]
+
+    def _keep(self, why: str) -> None:
+        """End the NCCL communicator without ncclCommAbort, which would wait (``why``): its
+        kernels are stopped by ncclCommRevoke where nccl4py has it, else they run on until
+        they complete or the process ends; it is kept, never freed."""
+        revoke = _revoker(self._nccl_module)
+        if revoke is not None:
+            try:
+                revoke(self._comm.comm, 0)
+                why = ""
+            except Exception as error:   # nccl4py's own errors: say so, and keep it
+                why += f"; ncclCommRevoke failed: {error}"
+        if why:
+            self._aborted += f"; kept, not aborted: {why}"
+        _KEPT_FOR_GRAPHS.append(self._comm)
 
     # -- what the watchdog thread asks (no MPI, no blocking) --------------------------------------
     def has_pending_work(self) -> bool:
@@ -730,6 +800,14 @@ class NcclBackend:
         self._stream.synchronize()
         self._finished.synchronize()
 
+    def drop(self) -> None:
+        """Its communicator was collected unclosed, in whichever thread the garbage collector
+        ran: CuPy's destructor would destroy the NCCL communicator there, at any moment,
+        waiting for its kernels and its graphs (NCCL ``init.cc``, commDestroySync). It is
+        kept, and this backend closed at exit on the main thread (:func:`_close_dropped`),
+        where close() keeps it instead if CUDA graphs captured its calls."""
+        _DROPPED.append(self)
+
     def close(self) -> None:
         """Wait for the collectives in flight, then destroy the NCCL communicator (unless the
         watchdog aborted it meanwhile). One whose collectives were captured in CUDA graphs
@@ -747,6 +825,17 @@ class NcclBackend:
             self._spare_events.clear()
             self._held.clear()
             if self._captures:
-                _KEPT_FOR_GRAPHS.append(self._comm)   # (CuPy destroys it when collected)
+                _KEPT_FOR_GRAPHS.append(self._comm)
             else:
                 self._comm.destroy()
+
+
+def _close_dropped() -> None:
+    """Close the backends of the communicators collected unclosed (see
+    :meth:`NcclBackend.drop`): at exit, on the main thread, after the live ones. Any point
+    reached alike on every rank, between collectives, would be as safe."""
+    while _DROPPED:
+        _DROPPED.pop().close()
+
+
+at_safe_point(_close_dropped)

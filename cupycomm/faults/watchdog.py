@@ -1,7 +1,8 @@
 """The watchdog: no rank waits forever, and the one that gives up says why.
 
 The call path writes two attributes of a communicator's :class:`Tracker`: ``seq`` (how many
-collectives this rank has issued on it) and, for as long as a blocking MPI call lasts,
+collectives this rank has issued on it) and, for as long as a blocking MPI call (or a device
+launch, or the making of the NCCL communicator, which can block the host too) lasts,
 ``busy`` (that call's name); and one slot of its flight recorder's ring
 (:mod:`cupycomm.faults.flight`, which the thread stamps at each look). No other thread's
 stack or locals are read: in CPython 3.11, reading the locals of a frame that another

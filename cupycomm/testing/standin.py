@@ -88,10 +88,16 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     call takes its place in rule 13's order when the graph is launched [NCCL
     ``strongstream.cc``/``enqueue.cc``: a captured launch is ordered after the communicator's
     serial event, so graphs of one communicator never run their kernels at once].
-19. A graph whose captured NCCL calls use a communicator that was destroyed or aborted since
-    is refused at launch (cudaErrorIllegalAddress, before anything runs), not skipped: on a
-    GPU its kernels would use freed memory [NCCL ``ncclCommDestroy``/``ncclCommAbort`` free
-    the communicator's device memory, which captured kernels reference].
+19. A communicator is not freed while a CUDA graph that captured a call of it lives:
+    ``destroy`` and ``abort`` (and so CuPy's destructor) wait until every such graph is
+    destroyed, which the stand-in refuses instead of hanging; :func:`comm_revoke` (NCCL's
+    ncclCommRevoke, NCCL >= 2.28.9, in NVIDIA's nccl4py as ``nccl.bindings.nccl.comm_revoke``;
+    CuPy has none) ends the communicator's kernels in flight and later ones at once,
+    output undefined, and frees nothing [NCCL ``src/init.cc`` commDestroySync, which both
+    ncclCommDestroy and ncclCommAbort reach: "keep polling until all graphs referencing us
+    die" (``localPersistentRefs``, taken per captured plan in ``enqueue.cc`` and released by
+    the graph's destructor); CuPy's ``Graph`` destroys its graph only when collected;
+    nccl4py ``nccl/core/communicator.py``, ``revoke``: "Stops all in-flight operations"].
 20. A failed runtime call is kept as the host thread's last error (:func:`last_error`), which
     CuPy's wrappers reset before they raise; its Python runtime has no ``getLastError``: a
     ``deviceEnablePeerAccess`` of a pair already enabled (status 704) leaves none [CUDA
@@ -123,6 +129,17 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     NCCL's "socketProgress: Connection closed by remote peer"]. Under ULFM (``LOSSES``:
     MPI's errors that say a member is gone) the stand-in's MPI error never reaches the
     caller.
+23. A communicator that is collected unfreed is destroyed by its destructor, in whatever
+    thread the garbage collector runs, with rules 11, 19 and 21 [CuPy
+    ``cupy_backends/cuda/libs/nccl.pyx``: ``NcclCommunicator.__dealloc__`` calls
+    ``destroy()``, ncclCommDestroy].
+24. The first call (or group) that needs a peer connects to it: the host blocks in the
+    launch (in ``groupEnd`` for a group, in the capture for a captured call) until that
+    peer's first call that needs this rank, a collective needing every member; only
+    :func:`comm_revoke` ends the wait [NCCL ``init.cc``: NCCL_RUNTIME_CONNECT, on by
+    default since 2.22, defers the transport setup from ncclCommInitRank to the first
+    launch; ``transport.cc`` ncclTransportP2pSetup waits for the peer's side there, polling
+    the communicator's abort flag].
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -845,24 +862,20 @@ def _runtime_call(call: str, unsafe: bool = False, capturing: Optional[_Capture]
 
 
 class Graph:
-    """cupy.cuda.graph.Graph: the captured work, replayed in order by launch()."""
+    """cupy.cuda.graph.Graph: the captured work, replayed in order by launch(). Each
+    communicator whose calls it captured holds it (weakly) until it is collected: none of
+    them can be freed before (rule 19)."""
 
     def __init__(self, ops: List[tuple]) -> None:
         self.ops = ops
+        for op, _ in ops:
+            for comm in _CapturedCall.communicators(op):
+                comm._graphs.add(self)
 
     def launch(self, stream: Optional[Stream] = None) -> None:
-        """Replay on ``stream``; refused before anything runs if a communicator whose calls
-        were captured is destroyed or aborted (rule 19: the graph's NCCL kernels would use
-        its freed memory); the captured NCCL calls take their place in their communicator's
-        order (rule 18)."""
+        """Replay on ``stream``: the captured NCCL calls take their place in their
+        communicator's order (rule 18)."""
         stream = _resolved(stream or get_current_stream())
-        for op, name in self.ops:
-            for comm in _CapturedCall.communicators(op):
-                if not comm._alive:
-                    raise CUDARuntimeError(
-                        f"stand-in: cudaErrorIllegalAddress: the graph's {name} uses an NCCL "
-                        f"communicator that was destroyed or aborted after the capture (its "
-                        f"memory is freed)")
         for op, name in self.ops:
             stream.enqueue(_CapturedCall.replayed(op, stream), f"graph {name}")
 
@@ -981,6 +994,7 @@ LOSSES = FAILURES if _ULFM else frozenset()
 # NCCL's group state is per thread: (stream pointer, issue, communicator) of each call of this
 # thread's open group in ``calls``, how deeply groups nest in ``depth`` (rule 15)
 _groups = threading.local()
+_CONNECT_TAG = 0x5A17   # the messages of rule 24's connections, apart from the kernels'
 
 
 def _open_group() -> Optional[list]:
@@ -1018,25 +1032,43 @@ def groupEnd() -> None:
     if depth > 1:
         return
     calls, _groups.calls = _groups.calls, None
-    for comm in {id(comm): comm for _, _, comm in calls}.values():
+    comms = {id(comm): comm for _, _, comm, _ in calls}.values()
+    for comm in comms:
         comm._grouping = None
     _end_local_group()
     if not calls:
         return
-    streams = {stream_ptr for stream_ptr, _, _ in calls}
+    streams = {stream_ptr for stream_ptr, _, _, _ in calls}
     if len(streams) > 1:
         raise NcclError("stand-in: one group on several streams is not modelled")
+    for comm in comms:   # rule 24: the group's launch connects the peers its calls need
+        with comm._entered("ncclGroupEnd"):
+            comm._connect({p for _, _, c, peers in calls if c is comm for p in peers})
 
     def run():
         requests: list = []
-        for _, issue, _ in calls:
+        for _, issue, _, _ in calls:
             requests.extend(issue() or [])
         return requests
     stream = Stream.from_ptr(streams.pop())
     op = lambda: None if NO_WORK else run()
-    for comm in {id(comm): comm for _, _, comm in calls}.values():
+    for comm in comms:
         op = comm._in_order(stream, op)
     stream.enqueue(op, f"nccl group of {len(calls)}")
+
+
+def comm_revoke(comm: int, revoke_flags: int) -> None:
+    """nccl4py's ``nccl.bindings.nccl.comm_revoke`` (ncclCommRevoke) on CuPy's handle
+    ``comm``: the communicator's kernels in flight end now, output undefined, and it refuses
+    later calls; nothing is freed, so it does not wait for graphs (rule 19)."""
+    if revoke_flags != 0:
+        raise NcclError(f"stand-in: ncclInvalidArgument: revoke_flags={revoke_flags} (must "
+                        f"be 0)", status=4)
+    for communicator in list(NcclCommunicator.handles):
+        if communicator.comm == comm != 0:
+            communicator._revoked = True
+            return
+    raise NcclError(f"stand-in: ncclInvalidArgument: no communicator {comm:#x}", status=4)
 
 
 SHARED_GPUS = False   # True: the ranks of one host see the same GPUs (a real node)
@@ -1084,7 +1116,7 @@ class _Transfers:
     def _ended(self) -> bool:
         """Whether the abort has ended the kernel that waits for a dead member (its outputs
         cut short)."""
-        if self.comm._alive:
+        if not self.comm._ended:
             return False
         _cut_short(self.outputs)
         self.outputs = ()
@@ -1141,6 +1173,8 @@ def join_world(mpi_comm: MPI.Intracomm) -> None:
 class NcclCommunicator:
     """cupy.cuda.nccl.NcclCommunicator over MPI on host memory (see the module docstring)."""
 
+    handles: "weakref.WeakSet[NcclCommunicator]" = weakref.WeakSet()   # for comm_revoke
+
     def __init__(self, ndev: int, commId: bytes, rank: int) -> None:
         _converted("NcclCommunicator", ndev, commId, rank)
         if len(commId) != 128:
@@ -1164,6 +1198,10 @@ class NcclCommunicator:
         self._waiting = False   # a kernel waits for a dead member (rule 22)
         self.unique_id = bytes(commId)   # what the members met by (tests compare them)
         self.freed_by = ""   # "ncclCommDestroy" or "ncclCommAbort", once ended (rule 21)
+        self._graphs: "weakref.WeakSet[Graph]" = weakref.WeakSet()   # that captured it (rule 19)
+        self._revoked = False   # comm_revoke ended its kernels (rule 19)
+        self._connected: set = set()   # the peers connected by a call (rule 24)
+        NcclCommunicator.handles.add(self)
 
     @staticmethod
     def _meet(ndev: int, host: int, counter: int, rank: int, gpu: tuple) -> MPI.Comm:
@@ -1204,10 +1242,22 @@ class NcclCommunicator:
     def device_id(self) -> int:
         return self._device
 
+    @property
+    def comm(self) -> int:
+        """CuPy's handle (``ncclComm_t`` as an integer), 0 once destroyed or aborted."""
+        return id(self) if self._alive else 0
+
+    @property
+    def _ended(self) -> bool:
+        """Whether its kernels end at once: freed or revoked (rule 19)."""
+        return not self._alive or self._revoked
+
     def _check(self) -> None:
         if not self._alive:
             raise NcclError("stand-in: ncclInvalidArgument: communicator destroyed or aborted "
                             "(its memory is freed)", status=4)
+        if self._revoked:
+            raise NcclError("stand-in: ncclInvalidUsage: communicator revoked", status=5)
 
     @contextlib.contextmanager
     def _entered(self, call: str):
@@ -1233,6 +1283,11 @@ class NcclCommunicator:
         with self._readers_lock:
             if not self._alive:   # CuPy: a no-op once its handle is NULL
                 return
+            if self._graphs:
+                raise NcclError(f"stand-in: {call} waits until every CUDA graph that captured "
+                                f"a call of this communicator is destroyed ({len(self._graphs)} "
+                                f"live): it would hang (NCCL init.cc, commDestroySync)",
+                                status=5)
             if self._inside:
                 raise NcclError(f"stand-in: {call} while another thread is inside "
                                 f"{self._inside[0]} on this communicator (NCCL reads "
@@ -1260,7 +1315,13 @@ class NcclCommunicator:
                                 f"member ({lost}) hangs (NCCL >= 2.31 after an abortive "
                                 f"shrink, pytorch#194679): abort it (ncclCommAbort)", status=5)
             self._free("ncclCommDestroy")
-            self._comm.Free()
+            if not MPI.Is_finalized():
+                self._comm.Free()
+
+    def __del__(self) -> None:
+        """CuPy's ``__dealloc__``: ``destroy()``, in whichever thread collects it (rule 23)."""
+        if getattr(self, "_alive", False):   # (not one whose making failed)
+            self.destroy()
 
     def abort(self) -> None:
         """MPI cannot cancel: the stand-in forbids further use, ends the kernels that wait for
@@ -1289,7 +1350,7 @@ class NcclCommunicator:
         def kernel() -> Optional[list]:
             if NO_WORK:
                 return None
-            if not self._alive:
+            if self._ended:
                 _cut_short(outputs)
                 return None
             if self._waiting:
@@ -1314,12 +1375,17 @@ class NcclCommunicator:
         split._waiting = False
         split._last = split._user = split._grouping = None
         split._inside, split._readers_lock = [], threading.Lock()
+        split._graphs, split._revoked, split._connected = weakref.WeakSet(), False, set()
+        NcclCommunicator.handles.add(split)
         return split
 
     # -- the work: every call validates now and runs when its stream gets there
     def _submit(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]],
-                nonblocking: Optional[Callable[[], list]] = None,
+                nonblocking: Optional[Callable[[], list]] = None, peer: int = -1,
                 outputs: Sequence[np.ndarray] = ()) -> None:
+        """Validate now, run when the stream gets there; ``peer``: the one rank a send or
+        receive needs (-1: a collective, every member); ``outputs``: what it writes."""
+        peers = range(self._size) if peer == -1 else (peer,)
         with self._entered(f"nccl{name[0].upper()}{name[1:]}"):
             if self.async_error:   # ncclCommEnsureReady: every launch returns it (rule 22)
                 raise NcclError(f"stand-in: nccl{name[0].upper()}{name[1:]}: the "
@@ -1330,10 +1396,30 @@ class NcclCommunicator:
             if group is not None:
                 # In a group, sends and receives start as MPI requests and collectives run in
                 # the order they were issued (NCCL requires every rank to issue them alike).
-                group.append((stream_ptr, self._kernel(nonblocking or run, outputs), self))
+                group.append((stream_ptr, self._kernel(nonblocking or run, outputs), self,
+                              peers))
                 self._grouping = threading.get_ident()
                 return
+            self._connect(peers)
             self._enqueue(stream_ptr, name, run, outputs)
+
+    def _connect(self, peers: Any) -> None:
+        """NCCL's runtime connect (rule 24): block until each of ``peers`` not connected yet
+        has made its own first call that needs this rank; a revoke ends the wait."""
+        new = [p for p in peers if p != self._rank and p not in self._connected]
+        if not new:
+            return
+        requests = [self._comm.Isend([b"", MPI.BYTE], p, _CONNECT_TAG) for p in new]
+        requests += [self._comm.Irecv([bytearray(0), MPI.BYTE], p, _CONNECT_TAG) for p in new]
+        try:
+            while not MPI.Request.Testall(requests):
+                if self._revoked:
+                    raise NcclError("stand-in: ncclInvalidUsage: the communicator was revoked "
+                                    "while connecting its peers", status=5)
+                time.sleep(0.001)
+        except MPI.Exception as error:   # a member died: its kernels will wait (rule 22)
+            self._member_died(error)
+        self._connected.update(new)
 
     def _check_thread(self, name: str) -> None:
         """Rule 15: a call from another thread than the last one's while that call has not
@@ -1437,13 +1523,13 @@ class NcclCommunicator:
         _converted("send", sendbuf, count, datatype, peer, stream)
         buf = _view(sendbuf, count, datatype, "send sendbuff")
         issue = lambda: [self._comm.Isend(buf, peer)]
-        self._submit(stream, "send", issue, issue)
+        self._submit(stream, "send", issue, issue, peer)
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         _converted("recv", recvbuf, count, datatype, peer, stream)
         buf = _view(recvbuf, count, datatype, "recv recvbuff")
         issue = lambda: [self._comm.Irecv(buf, peer)]
-        self._submit(stream, "recv", issue, issue, outputs=[buf])
+        self._submit(stream, "recv", issue, issue, peer, outputs=[buf])
 
 
 # The module layout CuPy has: cupy.cuda and cupy.cuda.runtime are there once the package is

@@ -13,6 +13,8 @@ from mpi4py import MPI
 
 import cupycomm
 from cupycomm.testing import standin as sd
+from cupycomm.backends.nccl import NcclBackend, nccl_module
+from cupycomm.faults.watchdog import Tracker
 from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal, in_new_thread
 
 
@@ -385,7 +387,7 @@ def test_device_timeout_names_the_ranks_that_never_issued_the_call():
     if MPI.COMM_WORLD.Get_size() < 2:
         pytest.skip("needs ranks that do not arrive; ran with 1")
     with STANDIN.comm() as comm:
-        comm.init_device()
+        comm.all_reduce(sd.asarray(np.ones(2)))   # connected: the next launch never blocks
         if comm.rank == 0:   # the others never issue it
             held = sd.Stream(non_blocking=True, deferred=True)
             work = comm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)
@@ -593,3 +595,66 @@ def test_a_synchronous_collective_on_a_side_stream_keeps_its_input_alive(dcomm):
     b.synchronize()
     assert_equal(STANDIN, out, np.repeat(np.arange(1.0, n + 1), 3).reshape(n, 3))
     assert_equal(STANDIN, reuse, np.full(3, 1000.0))
+
+
+def test_device_launches_and_the_first_device_call_are_marked_busy(monkeypatch):
+    """Issue 32 finding 5: the unique-id exchange, ncclCommInitRank and a launch can block
+    the host for a peer (stand-in rule 24): each is marked busy while it lasts, so that the
+    watchdog names it at its timeout; cleared after, also when it raises."""
+    tracker = Tracker("busy", 0, 1, 60.0)
+    seen = []
+
+    class Recording(sd.NcclCommunicator):
+        def __init__(self, *args):
+            seen.append(("ncclCommInitRank", tracker.busy))
+            super().__init__(*args)
+
+        def allReduce(self, *args):
+            seen.append(("ncclAllReduce", tracker.busy))
+            super().allReduce(*args)
+
+    nccl = nccl_module(sd)
+    monkeypatch.setattr(nccl, "NcclCommunicator", Recording)
+    backend = NcclBackend(MPI.COMM_SELF, 0, sd, tracker)
+    x = sd.asarray(np.ones(2))
+    spec = backend.reductions[x.dtype]["sum"]
+    backend.all_reduce(x, x, spec, False, None)
+    backend.all_reduce(x, x, spec, True, None).wait()
+    assert seen == [("ncclCommInitRank", "init_device #1"), ("ncclAllReduce", "all_reduce"),
+                    ("ncclAllReduce", "all_reduce")]
+    assert tracker.busy is None
+    monkeypatch.setattr(backend._comm, "allReduce", lambda *args: sd.zeros(-1))   # raises
+    with pytest.raises(ValueError):
+        backend.all_reduce(x, x, spec, False, None)
+    assert tracker.busy is None
+    backend.close()
+
+
+def test_an_abort_never_waits_on_a_launch_blocked_inside_nccl(monkeypatch):
+    """Issue 32 finding 5: an abort (the watchdog's, shrink()'s) waited on the lifetime lock
+    while another thread's launch was blocked inside NCCL (a peer never connecting), until
+    the faulthandler backstop ended the process. It waits a moment, then keeps the NCCL
+    communicator (ncclCommAbort may not run beside the launch) and says why; later calls
+    raise."""
+    from cupycomm.backends import nccl
+    monkeypatch.setattr(nccl, "_LAUNCH_GRACE", 0.2, raising=False)
+    backend = NcclBackend(MPI.COMM_SELF, 0, sd, Tracker("blocked", 0, 1, 60.0))
+    raw = backend._comm
+    x = sd.asarray(np.ones(2))
+    spec = backend.reductions[x.dtype]["sum"]
+    inside, leave = threading.Event(), threading.Event()
+    monkeypatch.setattr(raw, "allReduce", lambda *args: (inside.set(), leave.wait(5)))
+    launch = threading.Thread(target=backend.all_reduce, args=(x, x, spec, False, None))
+    launch.start()
+    assert inside.wait(5)
+    began = time.monotonic()
+    assert backend.abort("all_reduce #1 timed out")
+    assert time.monotonic() - began < 2.0, "the abort waited for the blocked launch"
+    assert "kept, not aborted: a launch is blocked inside NCCL" in backend._aborted
+    assert raw.freed_by == "" and any(kept is raw for kept in nccl._KEPT_FOR_GRAPHS)
+    leave.set()
+    launch.join()
+    with pytest.raises(cupycomm.NcclError, match="all_reduce: .* timed out; kept"):
+        backend.all_reduce(x, x, spec, False, None)
+    assert not backend.abort("again")
+

@@ -209,3 +209,62 @@ def test_a_replay_that_never_completes_is_aborted_and_named():
         with pytest.raises(cupycomm.NcclError, match="launch_graph: the NCCL communicator was "
                                                      "aborted"):
             comm.launch_graph(graph, stuck)
+
+
+def stuck_replay(comm, x):
+    """(the graph, the stream) of a replay of ``comm.all_reduce(x)`` launched by
+    ``comm.launch_graph`` that never runs: a peer that never launches its graph."""
+    graph, _ = captured_all_reduce(comm, x)
+    stuck = sd.Stream(non_blocking=True, deferred=True)
+    comm.launch_graph(graph, stuck)
+    return graph, stuck
+
+
+def aborted_by_the_watchdog(backend):
+    """Wait (at most 10 s) for the watchdog thread to end ``backend``'s NCCL communicator."""
+    deadline = time.monotonic() + 10
+    while not backend._aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return backend._aborted
+
+
+@pytest.mark.mpi(min_size=2)   # (the watchdog watches no communicator of 1)
+def test_a_timeout_never_waits_on_a_graph_the_user_holds():
+    """Issue 32 finding 4: ncclCommAbort waits until every graph that captured the
+    communicator is destroyed (stand-in rule 19), so the watchdog aborting one whose replay
+    never completes, the graph still held, hung holding the lifetime lock. It is kept
+    instead, never freed, the watchdog goes on, and every later call raises, naming why."""
+    from cupycomm.backends import nccl
+    from cupycomm.faults import watchdog
+    with STANDIN.comm(timeout=0.3) as comm:
+        backend = comm.init_device()
+        x = sd.asarray(np.ones(3))
+        graph, stuck = stuck_replay(comm, x)
+        assert "CUDA graph replay #1 (launch_graph)" in aborted_by_the_watchdog(backend)
+        assert "kept, not aborted: CUDA graphs captured its calls (drop them)" in backend._aborted
+        raw = backend._comm
+        assert raw.freed_by == "" and any(kept is raw for kept in nccl._KEPT_FOR_GRAPHS)
+        assert watchdog._watchdog.is_alive()
+        with pytest.raises(cupycomm.NcclError, match="launch_graph: .* not finished .* kept"):
+            comm.launch_graph(graph, stuck)
+        with pytest.raises(cupycomm.NcclError, match="all_reduce: .* not finished"):
+            comm.all_reduce(x)
+        stuck.pending.clear()                          # it never ran on any rank
+
+
+@pytest.mark.mpi(min_size=2)   # (the watchdog watches no communicator of 1)
+def test_a_timeout_revokes_a_communicator_graphs_hold_where_nccl4py_can(monkeypatch):
+    """With nccl4py's ncclCommRevoke (NCCL >= 2.28.9) the stuck replay's kernel ends at once,
+    and the communicator is still kept (the graph still lives)."""
+    from cupycomm.backends import nccl
+    monkeypatch.setattr(nccl, "_revoker", lambda module: sd.comm_revoke)
+    with STANDIN.comm(timeout=0.3) as comm:
+        backend = comm.init_device()
+        x = sd.asarray(np.ones(3))
+        graph, stuck = stuck_replay(comm, x)
+        assert aborted_by_the_watchdog(backend)
+        raw = backend._comm
+        stuck.synchronize()                            # revoked: ends without its peers
+        assert raw._revoked and raw.freed_by == "" and "kept" not in backend._aborted
+        with pytest.raises(cupycomm.NcclError, match="launch_graph: .* not finished"):
+            comm.launch_graph(graph, stuck)

@@ -85,7 +85,7 @@ def device_peer_dies() -> None:
     world = cupycomm.init(timeout=60.0, device_module=standin)
     # reversed, so that PeerLost's world numbering differs from this communicator's
     comm = world.split(0, key=world.size - world.rank)
-    comm.init_device()
+    comm.all_reduce(standin.zeros(1))   # connected (stand-in rule 24): a launch never waits
     culprit = comm.size - 1   # world rank 0
     if comm.rank == culprit:
         time.sleep(1.0)   # the others' receives are posted by then
@@ -102,9 +102,31 @@ def device_peer_dies() -> None:
     print(f"rank {comm.rank} finished with a message from a dead rank", flush=True)
 
 
+def device_first_call(name: str) -> None:
+    """Rank 1's first device call comes 20 s late (the timeout: 1 s): in making the NCCL
+    communicator ("device-init-late": the unique-id exchange, ncclCommInitRank), or in its
+    first collective, which connects the peers ("device-connect-late": NCCL's runtime
+    connect, stand-in rule 24); or it is a host call ("device-host-mismatch")."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from cupycomm.testing import standin
+    comm = cupycomm.init(timeout=1.0, device_module=standin)
+    if name == "device-connect-late":
+        comm.init_device()
+    x = standin.asarray(np.ones(4))
+    if comm.rank == 1:
+        if name == "device-host-mismatch":
+            x = np.ones(4)
+        else:
+            time.sleep(20)
+    comm.all_reduce(x)
+    print(f"rank {comm.rank} finished with {standin.asnumpy(x)[:2]}", flush=True)
+
+
 def main(name: str) -> None:
     if name == "device-peer-dies":
         return device_peer_dies()
+    if name in ("device-init-late", "device-connect-late", "device-host-mismatch"):
+        return device_first_call(name)
     debug = name.startswith("debug-")
     if name.startswith("hold-gil"):
         _watchdog.HOLD_MARGIN = (1.0, 1.0)

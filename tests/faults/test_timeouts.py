@@ -44,3 +44,29 @@ def test_a_long_call_holding_the_gil_outside_collectives_is_left_alone():
     ended_quickly(job)
     assert job.returncode == 0, job.output
     assert job.output.count("finished with") == 2, job.output
+
+
+@pytest.mark.parametrize("name, call", [("device-init-late", "init_device #1"),
+                                        ("device-connect-late", "all_reduce #1")])
+def test_a_device_call_whose_peer_comes_late_is_named_within_the_timeout(name, call):
+    """Issue 32 finding 5: the unique-id exchange and ncclCommInitRank of the first device
+    call, and a launch that connects a peer (stand-in rule 24), wait in the host for the
+    peer; with a 1 s timeout and the peer 6 s late the call returned after 6 s, nothing
+    said. Marked busy, they are named within the timeout (the peer here: 20 s late)."""
+    job = run(name, n=2)
+    ended_quickly(job)
+    assert job.returncode != 0
+    assert f"{call} on communicator world has waited" in job.output, job.output
+    assert "ranks not arrived: [1] (rank 1 is at #0, not in a collective)" in job.output
+
+
+def test_a_device_first_call_beside_a_host_one_is_reported_truthfully():
+    """Rank 0 makes the NCCL communicator for a device all_reduce, rank 1 calls a host one:
+    neither is named as having completed a call it is blocked in."""
+    job = run("device-host-mismatch", n=2)
+    ended_quickly(job)
+    assert job.returncode != 0
+    assert not re.search(r"rank 0 \(\S+\) completed #\d+ and is in no call|completed #1",
+                         job.output), job.output
+    assert re.search(r"rank 0 is at #0, blocked in init_device #1|rank 1 is blocked in "
+                     r"all_reduce #1", job.output), job.output

@@ -434,19 +434,57 @@ def test_graph_launches_take_their_place_in_the_communicators_order():
     comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
     graph.launch(sd.Stream(non_blocking=True))
     assert not held.pending, "a replay ran before the communicator's earlier call"
+    del graph                                       # (rule 19: before the communicator)
     comm.destroy()
 
 
 @pytest.mark.parametrize("end", ["destroy", "abort"])
-def test_a_graph_of_a_freed_communicator_is_refused(end):
+def test_a_communicator_is_not_freed_while_a_graph_that_captured_it_lives(end):
     comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
     x = sd.asarray(np.ones(2))
     graph = captured_all_reduce(comm, x)
+    with pytest.raises(sd.NcclError, match=f"{'ncclComm' + end.title()} waits until every "
+                                           f"CUDA graph .* is destroyed .*commDestroySync"):
+        getattr(comm, end)()
+    assert comm.freed_by == "" and comm.comm != 0
+    graph.launch(sd.Stream(non_blocking=True))     # its graph still replays
+    del graph
+    gc.collect()
     getattr(comm, end)()
+    assert comm.freed_by == f"ncclComm{end.title()}" and comm.comm == 0
+
+
+def test_revoke_ends_the_kernels_in_flight_and_frees_nothing(monkeypatch):
+    monkeypatch.setattr(sd, "LOSSES", frozenset({MPI.ERR_PROC_FAILED}))   # ULFM's, modelled
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    x = sd.asarray(np.ones(2))
+    graph = captured_all_reduce(comm, x)
+    comm._comm = _DeadMember(comm._comm)
     stream = sd.Stream(non_blocking=True)
-    with pytest.raises(sd.CUDARuntimeError, match="cudaErrorIllegalAddress"):
-        graph.launch(stream)
-    assert stream.enqueued == 0
+    graph.launch(stream)                           # its kernel waits for the dead member
+    assert not stream.done
+    with pytest.raises(sd.NcclError, match="ncclInvalidArgument"):
+        sd.comm_revoke(comm.comm, 1)
+    sd.comm_revoke(comm.comm, 0)
+    stream.synchronize()                           # ended, not waited for
+    assert comm.freed_by == ""
+    with pytest.raises(sd.NcclError, match="revoked"):
+        comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, stream.ptr)
+    with pytest.raises(sd.NcclError, match="waits until every CUDA graph"):
+        comm.abort()                               # (the graph still lives)
+    del graph
+    gc.collect()
+    comm.abort()
+
+
+# -- CuPy's destructor destroys a communicator collected unfreed (rule 23) -------------------------
+def test_a_collected_communicator_is_destroyed_in_the_collecting_thread():
+    comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
+    mpi_comm = comm._comm
+    comm.cycle = comm                              # collected by the cycle collector only
+    del comm
+    in_new_thread(gc.collect)
+    assert mpi_comm == MPI.COMM_NULL               # ncclCommDestroy freed it
 
 
 # -- the legacy null stream and the per-thread default stream ----------------------------------------------
@@ -501,3 +539,47 @@ def test_a_refused_peer_access_leaves_no_last_error_as_cupy_resets_it(monkeypatc
         sd.cuda.runtime.deviceEnablePeerAccess(1)
     assert sd.last_error() == 704
     assert in_new_thread(sd.last_error) == 0
+
+
+# -- the first call that needs a peer connects to it, waiting for it (rule 24) -------------------
+def world_communicator():
+    world = MPI.COMM_WORLD
+    unique_id = world.bcast(sd.get_unique_id() if world.rank == 0 else None)
+    return sd.NcclCommunicator(world.size, unique_id, world.rank)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_first_call_that_needs_a_peer_waits_in_the_host_for_it():
+    comm = world_communicator()
+    x = sd.asarray(np.ones(2))
+    held = sd.Stream(non_blocking=True, deferred=True)   # its kernels never run: launches only
+    if comm.rank_id() == 1:
+        time.sleep(0.5)
+    began = time.monotonic()
+    comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+    if comm.rank_id() == 0:
+        assert time.monotonic() - began >= 0.4     # the host waited for rank 1's first call
+    began = time.monotonic()
+    comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+    assert time.monotonic() - began < 0.3          # connected: a launch returns at once
+    held.pending.clear()
+    comm.destroy()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_revoke_ends_the_wait_for_a_peer_that_never_connects():
+    comm = world_communicator()
+    x = sd.asarray(np.ones(2))
+    held = sd.Stream(non_blocking=True, deferred=True)
+    if comm.rank_id() == 0:
+        revoke = threading.Timer(0.3, sd.comm_revoke, (comm.comm, 0))
+        revoke.start()
+        with pytest.raises(sd.NcclError, match="revoked while connecting"):
+            comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+        revoke.join()
+    else:
+        time.sleep(1.0)   # rank 0 gave up meanwhile; this rank's side of the connection is met
+        comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, held.ptr)
+    MPI.COMM_WORLD.Barrier()
+    held.pending.clear()
+    comm.destroy()
