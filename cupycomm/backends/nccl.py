@@ -41,8 +41,9 @@ is 0, and ``cudaSetDevice(0)``, which CuPy's ``Device.__exit__`` always calls, w
 a context on GPU 0 for every rank). One lock, ``_lifetime``, keeps every use of the NCCL
 communicator apart (launches, the watchdog's ``ncclCommGetAsyncError``, abort, close): NCCL's
 communicator is not thread-safe, and ``ncclCommAbort``/``ncclCommDestroy`` free what the
-others use. One thread at a time uses a communicator: a call from another thread while the
-last one's work is in flight is refused (see :meth:`NcclBackend._take_over`).
+others use. One thread at a time uses a communicator: a call from another thread while one
+is inside a launch or its batch() block is open is refused; after its call returned, the
+communicator passes to the other thread (see :meth:`NcclBackend._take_over`).
 
 A synchronous call on ``stream=`` keeps its arrays alive until that stream has passed it
 (an event on it, in ``_held``): memory the caller allocated on its own stream returns to
@@ -190,6 +191,7 @@ class NcclBackend:
         # (event, arrays) of synchronous calls on a ``stream=``: kept until the event is done
         self._held: collections.deque = collections.deque()
         self._owner: Any = None   # the thread of the last call (one thread at a time)
+        self._inside = False      # whether a thread is inside a launch (not in a group)
         self._captures = 0        # collectives captured in CUDA graphs
         self._replays = (0, 0)    # (graph replays by launch_graph, the collective before the last)
         self._group: Any = None   # the open batch() block, if any
@@ -229,11 +231,11 @@ class NcclBackend:
         ``stream``) itself, then ``_finished`` recorded after it for the watchdog; none in a
         capture (the watchdog must never query an event recorded there). An ``async_op``
         call: see :meth:`_launch_async`."""
+        if _thread() != self._owner:
+            self._take_over(label)
         with self._lifetime:   # (not while the watchdog aborts it)
             if self._aborted:
                 raise self._was_aborted(label, self._tracker.seq + 1)
-            if _thread() != self._owner:
-                self._take_over(label)
             tracker = self._tracker
             tracker.seq = seq = tracker.seq + 1
             self._flight[seq % self._slots] = (label, "nccl")
@@ -245,6 +247,7 @@ class NcclBackend:
             switch = self._get_device() != self.device_id
             if switch:
                 self._device.__enter__()
+            self._inside = True
             try:
                 if async_op:
                     return self._launch_async(call, args, result, keep, label, stream, unpack)
@@ -259,33 +262,28 @@ class NcclBackend:
                         self._hold(keep, here)
                 return result
             finally:
+                self._inside = False
                 if switch:
                     self._device.__exit__(None, None, None)
 
     def _take_over(self, label: str) -> None:
-        """A call from another thread than the last call's: refused while that thread's
-        collectives are in flight or its batch() block is open (NCCL forbids using one
-        communicator from two threads at once: interleaved differently on the ranks, their
-        calls would reduce each other's buffers), else this thread's from now on."""
+        """A call from another thread than the last call's: refused while that thread is
+        inside a call on the communicator or its batch() block is open (NCCL forbids
+        concurrent host calls on one communicator: interleaved differently on the ranks,
+        their calls would reduce each other's buffers), else this thread's from now on.
+        The first thread's kernels in flight do not matter (a hand-off after its call
+        returned is ordered on every rank alike; whether kernels are done is timing).
+        (Checked before ``_lifetime``, which a launch inside holds.)"""
         if self._owner is not None:
-            if self._group is not None:
-                busy = "its batch() block is open"
-            else:
-                with _relaxed_capture_mode(self._runtime):
-                    busy = "its collectives are still in flight" if self._in_flight() else ""
+            busy = ("its batch() block is open" if self._group is not None else
+                    "it is inside a call on it" if self._inside else "")
             if busy:
                 raise RuntimeError(
                     f"{label}: this communicator is in use by another thread ({busy}) on rank "
                     f"{self._rank}; NCCL forbids using one communicator from two threads at "
                     f"once: use one communicator per thread (comm.split), or hold one lock "
-                    f"around each thread's calls until they complete")
+                    f"around each thread's calls until they return")
         self._owner = _thread()
-
-    def _in_flight(self) -> bool:
-        """Whether collectives launched outside captures have not completed yet."""
-        inflight = self._inflight
-        return not self._finished.done or bool(
-            inflight and inflight[-1]._event is not None and not inflight[-1]._event.done)
 
     def _hold(self, keep: tuple, stream: Any) -> None:
         """Keep ``keep`` alive until ``stream`` has got past the call just launched there:
@@ -361,6 +359,8 @@ class NcclBackend:
         return work
 
     def begin_group(self, group: Any) -> None:
+        if _thread() != self._owner:   # the block's calls are this thread's
+            self._take_over("batch")
         self._group = group
 
     def end_group(self, group: Any, cancel: bool) -> None:

@@ -73,10 +73,12 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     ``Device.__exit__`` always sets the previous device back, 0 in a thread that never set
     one [CUDA 12 Runtime API, cudaSetDevice: "initializes the primary context";
     pytorch#94864; CuPy v14.2.0 ``cupy/cuda/device.pyx``, ``Device.__enter__``/``__exit__``].
-15. One communicator is not used from two threads at once: a call from a thread other than
-    the last call's, while that call has not completed or while that thread's open group
-    holds a call of it, is refused; ``groupStart``/``groupEnd`` state is per thread [NCCL's
-    user guide, "Thread Safety" and "Group Calls": the group state is thread-local].
+15. One communicator is not used from two threads at once: a call from a thread while
+    another thread is inside a call on it, or while another thread's open group holds a
+    call of it, is refused; a call from another thread after the last one returned runs,
+    whether or not its kernels have completed; ``groupStart``/``groupEnd`` state is per
+    thread [NCCL's user guide, "Thread Safety": concurrent host calls on one communicator
+    are forbidden, nothing else; "Group Calls": the group state is thread-local].
 16. The legacy null stream synchronizes with the blocking streams of its device: work on it
     waits for their earlier work and theirs for its earlier work; non-blocking streams are
     not ordered with it [CUDA Runtime API, "Stream synchronization behavior", legacy default
@@ -1134,8 +1136,8 @@ class NcclCommunicator:
         self._alive = True
         self._last: Optional[tuple] = None   # (stream, position) of the last call not captured
         self._inside: list = []   # the NCCL calls other threads are inside now
+        self._callers: list = []  # (thread, call) of each of those (rule 15)
         self._readers_lock = threading.Lock()
-        self._user: Optional[int] = None      # the thread of the last call
         self._grouping: Optional[int] = None  # the thread whose open group has a call of it
         self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
         self.member_lost: Optional[str] = None   # tests set it to model a member's death
@@ -1193,11 +1195,13 @@ class NcclCommunicator:
         with self._readers_lock:
             self._check()
             self._inside.append(call)
+            self._callers.append((threading.get_ident(), call))
         try:
             yield
         finally:
             with self._readers_lock:
                 self._inside.remove(call)
+                self._callers.remove((threading.get_ident(), call))
 
     def check_async_error(self) -> None:
         with self._entered("ncclCommGetAsyncError"):
@@ -1285,8 +1289,8 @@ class NcclCommunicator:
         split._device, split._alive, split.async_error = self._device, True, None
         split.member_lost, split.freed_by, split.unique_id = None, "", b""
         split._waiting = False
-        split._last = split._user = split._grouping = None
-        split._inside, split._readers_lock = [], threading.Lock()
+        split._last = split._grouping = None
+        split._inside, split._callers, split._readers_lock = [], [], threading.Lock()
         return split
 
     # -- the work: every call validates now and runs when its stream gets there
@@ -1304,19 +1308,18 @@ class NcclCommunicator:
             self._enqueue(stream_ptr, name, run)
 
     def _check_thread(self, name: str) -> None:
-        """Rule 15: a call from another thread than the last one's while that call has not
-        completed, or while that thread's open group holds a call of this communicator, is
-        refused (NCCL: one communicator is not used from two threads at once; its group
-        state is per thread)."""
+        """Rule 15: a call while another thread is inside a call on this communicator, or
+        while another thread's open group holds a call of it, is refused (NCCL: one
+        communicator is not used from two threads at once; its group state is per thread).
+        Its kernels in flight do not matter: they are the device's, not a thread's."""
         me = threading.get_ident()
-        if self._user not in (None, me):
-            last = self._last
-            if self._grouping not in (None, me) or (
-                    last is not None and not last[0].reached(last[1])):
-                raise NcclError(f"stand-in: ncclInvalidUsage: {name} from a second thread "
-                                f"while another thread's call on this communicator is in "
-                                f"progress (NCCL forbids concurrent use)", status=5)
-        self._user = me
+        with self._readers_lock:   # (ncclCommGetAsyncError is made to be asked meanwhile)
+            others = [call for thread, call in self._callers
+                      if thread != me and call != "ncclCommGetAsyncError"]
+        if others or self._grouping not in (None, me):
+            raise NcclError(f"stand-in: ncclInvalidUsage: {name} from a second thread "
+                            f"while another thread's call on this communicator is in "
+                            f"progress (NCCL forbids concurrent use)", status=5)
 
     def _enqueue(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]]) -> None:
         stream = Stream.from_ptr(stream_ptr)

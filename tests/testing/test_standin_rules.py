@@ -357,8 +357,9 @@ def test_set_device_makes_a_context_and_device_exit_always_sets_the_device_back(
 
 
 # -- one communicator, one thread at a time ---------------------------------------------------------------
-def test_one_communicator_is_not_used_from_two_threads_at_once():
-    """NCCL forbids concurrent use of one communicator; its group state is per thread."""
+def test_one_communicator_is_not_used_from_two_threads_at_once(monkeypatch):
+    """NCCL forbids concurrent host calls on one communicator (a thread inside a call, a
+    thread's open group holding one), nothing else; its group state is per thread."""
     comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
     x = sd.asarray(np.ones(2))
     held = sd.Stream(non_blocking=True, deferred=True)
@@ -366,10 +367,24 @@ def test_one_communicator_is_not_used_from_two_threads_at_once():
     def all_reduce(stream):
         return lambda: comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, stream.ptr)
     all_reduce(held)()                                    # in flight
-    refused = in_new_thread(all_reduce(sd.Stream.null))
+    assert in_new_thread(all_reduce(sd.Stream.null)) is None   # handed over all the same
+    inside, release = threading.Event(), threading.Event()
+    real = comm._enqueue
+
+    def slow(*args):
+        inside.set()
+        release.wait(10)
+        real(*args)
+    monkeypatch.setattr(comm, "_enqueue", slow)
+    launcher = threading.Thread(target=all_reduce(sd.Stream.null))
+    launcher.start()
+    inside.wait(10)
+    monkeypatch.setattr(comm, "_enqueue", real)
+    refused = in_new_thread(all_reduce(sd.Stream.null))   # while that one is inside
     assert isinstance(refused, sd.NcclError) and "second thread" in str(refused)
-    held.synchronize()
-    assert in_new_thread(all_reduce(sd.Stream.null)) is None   # handed over once completed
+    assert in_new_thread(comm.check_async_error) is None  # made to be asked meanwhile
+    release.set()
+    launcher.join()
     sd.groupStart()
     all_reduce(held)()                                    # in this thread's open group
     assert in_new_thread(sd._open_group) is None          # not another thread's
