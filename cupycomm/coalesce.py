@@ -115,9 +115,11 @@ def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
 
 def _device_of(comm: Any, xp: Any) -> Any:
     """The communicator's device as a context for device arrays (buffers and copies belong
-    there, whatever device is current), else nothing."""
-    device = xp is not None and xp is comm.parts.router.cupy
-    return comm.device if device else contextlib.nullcontext()
+    there, whatever device is current; the device backend's, which sets no context-less
+    device 0 back), else nothing."""
+    router = comm.parts.router
+    device = xp is not None and xp is router.cupy
+    return router.device.on_device() if device else contextlib.nullcontext()
 
 
 def _all_reduce_runs(comm: Any, name: str, arrays: Sequence[Any], runs: list, natives: list,

@@ -24,7 +24,7 @@ The doors, as small protocols (the annotations of their callers use them):
 """
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, ContextManager, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 __all__ = ["Collectives", "HostBackend", "DeviceBackend", "Completion", "HostCompletion",
            "DeviceCompletion", "Health", "Marks", "Ring"]
@@ -164,5 +164,8 @@ class HostBackend(Collectives, HostCompletion, Protocol):
 class DeviceBackend(Collectives, DeviceCompletion, Health, Protocol):
     @property
     def stream(self) -> Any: ...   # the comm stream (async calls, batch() blocks)
+
+    # its device current inside (a new thread's device 0 is not set back: no context there)
+    def on_device(self) -> ContextManager[None]: ...
 
     def split(self, color: Optional[int], key: int) -> Any: ...

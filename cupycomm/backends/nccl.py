@@ -23,6 +23,9 @@ The caller's stream is the current stream *of the communicator's device*, whatev
 current, and every launch makes that device current: the stream handles 0 (the legacy null
 stream) and 2 (the per-thread default stream) mean the current device's, and a CUDA runtime
 call makes a context on the current device. (NCCL sets its communicator's device itself.)
+The previous device is set back after the call, except in a thread with no CUDA context yet
+(a new thread, its device 0 unused), which stays on the communicator's device: setting 0
+back would make a context on GPU 0 (see :meth:`NcclBackend._switch`).
 
 CUDA graph capture: a collective issued while the caller's stream (or ``stream=``) is capturing
 is captured. Events recorded in a capture are graph nodes, which CUDA forbids querying or
@@ -177,8 +180,9 @@ class NcclBackend:
         self._raw_error = nccl.NcclError
         self.array_type = cupy.ndarray
         self.device_id = device_id
-        self._device = cuda.Device(device_id)
         self._get_device = cuda.runtime.getDevice
+        self._set_device = cuda.runtime.setDevice
+        self._context = cuda.driver.ctxGetCurrent
         self._rank = mpi_comm.Get_rank()
         self._size = mpi_comm.Get_size()
         self._tracker = tracker
@@ -200,7 +204,7 @@ class NcclBackend:
         # Every use of the NCCL communicator (launches, the watchdog's, abort, close): NCCL's
         # communicator is not thread-safe, and ncclCommAbort frees what a launch uses.
         self._lifetime = threading.Lock()
-        with self._device:
+        with self.on_device():
             if nccl_comm is None:
                 unique_id = broadcast_unique_id(mpi_comm, nccl.get_unique_id)
                 nccl_comm = self._nccl(lambda: nccl.NcclCommunicator(
@@ -243,10 +247,9 @@ class NcclBackend:
                 return self._launch_grouped(call, args, result, keep, label, stream, unpack)
             # Handles 0 and 2 mean the current device's default streams, and a CUDA runtime
             # call makes a context on the current device: the communicator's device is made
-            # current, and only where it is not (CuPy's Device.__exit__ always sets back).
-            switch = self._get_device() != self.device_id
-            if switch:
-                self._device.__enter__()
+            # current, and only where it is not (see _switch).
+            previous = self._get_device()
+            back = self._switch(previous) if previous != self.device_id else -1
             self._inside = True
             try:
                 if async_op:
@@ -263,8 +266,30 @@ class NcclBackend:
                 return result
             finally:
                 self._inside = False
-                if switch:
-                    self._device.__exit__(None, None, None)
+                if back >= 0:
+                    self._set_device(back)
+
+    def _switch(self, previous: int) -> int:
+        """Make the communicator's device current in this thread, where ``previous`` is;
+        returns the device to set back after the call: ``previous``, or -1 (none) where this
+        thread has no CUDA context yet (a new thread, its device 0 unused): setting 0 back
+        would make a context on GPU 0 (cudaSetDevice initializes it, CUDA 12), hundreds of
+        MiB per rank. That thread stays on the communicator's device, as the watchdog's
+        does (torch's device guard sets no device back without a context either)."""
+        back = previous if self._context() else -1
+        self._set_device(self.device_id)
+        return back
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """The communicator's device current inside the block (see :meth:`_switch`)."""
+        previous = self._get_device()
+        back = self._switch(previous) if previous != self.device_id else -1
+        try:
+            yield
+        finally:
+            if back >= 0:
+                self._set_device(back)
 
     def _take_over(self, label: str) -> None:
         """A call from another thread than the last call's: refused while that thread is
@@ -372,7 +397,7 @@ class NcclBackend:
         with self._lifetime:
             if self._aborted:
                 raise self._was_aborted("batch", self._tracker.seq)
-            with self._device:
+            with self.on_device():
                 self._launch_group(group)
 
     def _launch_group(self, group: Any) -> None:
@@ -502,7 +527,7 @@ class NcclBackend:
             raise self._was_aborted("split", self._tracker.seq)
         # CuPy's docstring of commSplit: collectives still in flight may deadlock it.
         self._synchronize()
-        with self._lifetime, self._device:
+        with self._lifetime, self.on_device():
             if self._aborted:
                 raise self._was_aborted("split", self._tracker.seq)
             return self._nccl(lambda: self._comm.commSplit(-1 if color is None else color, key),
@@ -517,7 +542,7 @@ class NcclBackend:
         with self._lifetime:
             if self._aborted:
                 raise self._was_aborted("launch_graph", self._tracker.seq)
-            with self._device:
+            with self.on_device():
                 here = self._current_stream(self.device_id) if stream is None else stream
                 graph.launch(here)
                 if not (here.ptr not in _LEGACY and here.is_capturing()):
@@ -536,7 +561,7 @@ class NcclBackend:
     def empty(self, shape: tuple, dtype: Any, stream: Any = None) -> Any:
         """A new array; with ``stream``, from that stream's memory pool, so that the memory
         is only reused after what ``stream`` does with it."""
-        with self._device:
+        with self.on_device():
             if stream is None:
                 return self._cupy.empty(shape, dtype)
             with stream:
@@ -548,7 +573,7 @@ class NcclBackend:
         both others: an event of an ended capture cannot be used, and a capture cannot wait
         on outside work)."""
         caller = self._current_stream(self.device_id)
-        with self._device:   # (handle 2, the per-thread stream, is the current device's)
+        with self.on_device():   # (handle 2, the per-thread stream, is the current device's)
             if (caller.ptr not in _LEGACY and caller.is_capturing()) == captured:
                 caller.wait_event(event)
                 return

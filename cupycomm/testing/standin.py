@@ -71,8 +71,13 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
 14. ``cudaSetDevice`` creates its device's primary context in the process (:data:`contexts`,
     :func:`context_devices`), and so does any runtime call on a device without one;
     ``Device.__exit__`` always sets the previous device back, 0 in a thread that never set
-    one [CUDA 12 Runtime API, cudaSetDevice: "initializes the primary context";
-    pytorch#94864; CuPy v14.2.0 ``cupy/cuda/device.pyx``, ``Device.__enter__``/``__exit__``].
+    one; a thread has no current context (``driver.ctxGetCurrent()`` is 0) until such a call
+    binds its current device's [CUDA 12 Runtime API, cudaSetDevice: "initializes the primary
+    context"; CUDA Driver API, cuCtxGetCurrent: NULL "if no context is bound to the calling
+    CPU thread"; pytorch#94864, and torch's ``cuda.device.__exit__`` (c10's
+    MaybeExchangeDevice sets no device back whose context does not exist); CuPy v14.2.0
+    ``cupy/cuda/device.pyx``, ``Device.__enter__``/``__exit__``,
+    ``cupy_backends/cuda/api/driver.pyx`` ctxGetCurrent].
 15. One communicator is not used from two threads at once: a call from a thread while
     another thread is inside a call on it, or while another thread's open group holds a
     call of it, is refused; a call from another thread after the last one returned runs,
@@ -801,6 +806,14 @@ _thread_modes = threading.local()   # this thread's capture interaction mode (gl
 # (thread, device) of every runtime call: the device's primary context exists in this process
 # from then on (context_devices() counts them per device); the thread says who made it
 contexts: set = set()
+_bound = threading.local()   # bound: whether this thread has a current context (rule 14)
+
+
+def ctxGetCurrent() -> int:
+    """cuCtxGetCurrent (CuPy's ``driver.ctxGetCurrent``): the calling thread's current
+    context, 0 where none is bound to it: a new thread has none (cudaGetDevice binds none)
+    until a runtime call binds its current device's primary context (rule 14)."""
+    return 0xC0 + Device.current_id() if getattr(_bound, "bound", False) else 0
 
 
 def threadExchangeStreamCaptureMode(mode: int) -> int:
@@ -818,6 +831,7 @@ def _runtime_call(call: str, unsafe: bool = False, capturing: Optional[_Capture]
     capture that forbids it, when a capture forbids it; so is any query of a capturing stream
     (``capturing``)."""
     contexts.add((threading.get_ident(), Device.current_id()))
+    _bound.bound = True
     if capturing is not None:
         capturing.invalidate(f"{call} of a capturing stream")
         raise CUDARuntimeError(f"stand-in: cudaErrorStreamCaptureUnsupported: {call} of a "
@@ -1429,15 +1443,17 @@ nccl = _submodule("cuda.nccl", available=True,
                   groupEnd=groupEnd)
 runtime = _submodule("cuda.runtime", getDeviceCount=lambda: DEVICE_COUNT, getDevice=getDevice,
                      setDevice=setDevice)
+driver = _submodule("cuda.driver", ctxGetCurrent=ctxGetCurrent)
 cuda = _submodule("cuda", Device=Device, Stream=Stream, Event=Event, runtime=runtime,
-                  get_current_stream=get_current_stream, __path__=[])
+                  driver=driver, get_current_stream=get_current_stream, __path__=[])
 
 
 class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports ``<stand-in>.cuda`` and ``<stand-in>.cuda.nccl``; Python's import system sets
     ``cuda.nccl`` only then, as for CuPy."""
 
-    modules = {cuda.__name__: cuda, nccl.__name__: nccl, runtime.__name__: runtime}
+    modules = {cuda.__name__: cuda, nccl.__name__: nccl, runtime.__name__: runtime,
+               driver.__name__: driver}
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname in self.modules:

@@ -193,6 +193,41 @@ def test_a_rank_on_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
         assert sd.context_devices() == {1}
 
 
+def test_a_call_from_a_new_thread_makes_no_context_on_gpu_0(monkeypatch):
+    """Finding 9 of issue 32: a new thread's current device is 0 and has no context there;
+    a call from it (a launch, a new array, wait()) must not set device 0 back after making
+    the rank's current (stand-in rule 14: that makes a context on GPU 0, hundreds of MiB
+    per rank). A thread that had a context on device 0 gets device 0 back."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(sd.Device._local, "id", sd.Device.current_id(), raising=False)
+    with STANDIN.comm(device=1) as comm:
+        x = comm.xp.asarray(np.ones(2))   # comm.xp makes the rank's device current
+        comm.init_device()
+        sd.contexts.clear()
+
+        y = comm.xp.asarray(np.ones(3))
+
+        def calls():
+            comm.all_reduce(x)
+            gathered = comm.all_gather(x)
+            comm.all_reduce(x, async_op=True).wait()
+            return gathered
+        gathered = in_new_thread(calls)
+        in_new_thread(lambda: comm.all_reduce_coalesced([x, y]))   # (its first call)
+        assert sd.context_devices() == {1}
+        n = float(comm.size)
+        assert_equal(STANDIN, gathered, np.full((comm.size, 2), n))
+        sd.Device(1).synchronize()
+        assert_equal(STANDIN, x, np.full(2, n ** 3))
+        assert_equal(STANDIN, y, np.full(3, n))
+
+        def on_0():
+            sd.runtime.setDevice(0)
+            comm.all_reduce(x)
+            return sd.runtime.getDevice()
+        assert in_new_thread(on_0) == 0
+
+
 def _on(device, data):
     with sd.Device(device):
         return sd.asarray(data)
@@ -390,10 +425,9 @@ def test_the_watchdogs_query_leaves_the_callers_current_device_alone(monkeypatch
     with STANDIN.comm(device=1) as comm:
         backend = comm.init_device()
         with sd.Device(1):   # (the test leaves this thread's current device as it found it)
-            with backend._device:
-                watchdog = threading.Thread(target=backend.has_pending_work)
-                watchdog.start()
-                watchdog.join()
+            watchdog = threading.Thread(target=backend.has_pending_work)
+            watchdog.start()
+            watchdog.join()
             assert sd.Device.current_id() == 1
             x = comm.xp.asarray(np.ones(2))
             assert_equal(STANDIN, comm.all_reduce(x), np.full(2, float(comm.size)))

@@ -353,6 +353,12 @@ def test_set_device_makes_a_context_and_device_exit_always_sets_the_device_back(
     assert in_new_thread(set_once) == ({1}, 1)
     assert in_new_thread(lambda: (forget_mine(), sd.runtime.getDevice(), mine())) == (
         None, 0, set())
+
+    def bound():   # a new thread has no current context until a runtime call binds one
+        before = (sd.runtime.getDevice(), sd.cuda.driver.ctxGetCurrent())
+        sd.runtime.setDevice(1)
+        return before, sd.cuda.driver.ctxGetCurrent() != 0
+    assert in_new_thread(bound) == ((0, 0), True)
     assert 1 in sd.context_devices()
 
 
