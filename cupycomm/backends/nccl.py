@@ -462,7 +462,9 @@ class NcclBackend:
         return self._launch(self._comm.allGather, args, result, (x, recv), "all_gather",
                             async_op, stream, unpack)
 
-    def reduce_scatter(self, x, recv, spec, async_op, stream):
+    def reduce_scatter(self, x, recv, spec, async_op, stream, pack=()):
+        if pack:
+            self._pack(pack, stream)
         datatype, factor, op = spec
         args = (x.data.ptr, recv.data.ptr, recv.size * factor, datatype, op)
         return self._launch(self._comm.reduceScatter, args, recv, (x, recv), "reduce_scatter",
@@ -504,6 +506,16 @@ class NcclBackend:
     def sendrecv(self, x, spec, dst, buf, src, async_op, stream):
         return self._exchange([(x.data.ptr, x.nbytes, dst)], [(buf.data.ptr, buf.nbytes, src)],
                               buf, (x, buf), "sendrecv", async_op, stream)
+
+    def _pack(self, pack, stream: Any) -> None:
+        """``dst[...] = src`` for each pair (a list's parts into the array a call sends), on
+        this device and on the stream the call is ordered after: ``stream``, else this
+        device's current stream (a synchronous call runs there, an async one or a batch()
+        block waits for it), whatever device is current."""
+        with self.on_device(), (self._current_stream(self.device_id) if stream is None
+                                else stream):
+            for dst, src in pack:
+                dst[...] = src
 
     def _exchange(self, sends: list, receives: list, result, keep: tuple, label: str,
                   async_op: bool, stream: Any) -> Any:

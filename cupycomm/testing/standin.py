@@ -125,6 +125,12 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     that a killed peer left waiting until the abort, another that returned zeros, NCCL's
     "socketProgress: Connection closed by remote peer"]. Under ULFM (``LOSSES``: MPI's
     errors that say a member is gone) the stand-in's MPI error never reaches the caller.
+23. A copy between device arrays that a caller makes (``x[...] = y``, ``concatenate(out=)``:
+    packs, unpacks, the parts of a list) is a kernel on the current stream of the current
+    device: it reads and writes when that stream gets there, unordered with other streams
+    (a fill from a host value still runs at once) [CuPy ``_core/core.pyx``
+    ``ndarray.__setitem__`` and ``_core/_routines_manipulation.pyx`` concatenate: elementwise
+    kernels launched on ``get_current_stream()``; CUDA Programming Guide, streams].
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -235,6 +241,14 @@ class ndarray(np.ndarray):
     def get(self) -> np.ndarray:
         """cupy.ndarray.get: a host copy."""
         return np.array(self.view(np.ndarray))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """A copy from a device array is a kernel on the current stream (rule 23)."""
+        if isinstance(value, ndarray):
+            target, source = self.view(np.ndarray), value.view(np.ndarray)
+            _copy_kernel(lambda: target.__setitem__(key, source), "copy")
+        else:
+            super().__setitem__(key, value)
 
 
 def getDevice() -> int:
@@ -361,7 +375,8 @@ def concatenate(arrays: Any, axis: Optional[int] = 0, out: Optional[ndarray] = N
     """cupy.concatenate: a new device array, or ``out`` (one kernel on a GPU)."""
     parts = [np.asarray(a).view(np.ndarray) for a in arrays]
     if out is not None:
-        np.concatenate(parts, axis, out=out.view(np.ndarray))
+        target = out.view(np.ndarray)
+        _copy_kernel(lambda: np.concatenate(parts, axis, out=target), "concatenate")
         return out
     return _register(np.concatenate(parts, axis))
 
@@ -405,6 +420,21 @@ class _Stalled(Exception):
 
 
 _stalls = threading.local()   # depth: inside how many asynchronous calls this thread is
+_kernels = threading.local()  # depth: inside how many pieces of stream work this thread runs
+
+
+def _copy_kernel(copy: Callable[[], Any], name: str) -> None:
+    """A copy between device arrays made by a caller (an assignment, ``concatenate(out=)``):
+    a kernel on the current stream of the current device, which reads and writes when that
+    stream gets there (rule 23); inside a piece of stream work (the stand-in's own) it runs
+    there and then."""
+    if getattr(_kernels, "depth", 0):
+        copy()
+        return
+
+    def kernel() -> None:
+        copy()
+    _resolved(get_current_stream()).enqueue(kernel, name)
 
 
 @contextlib.contextmanager
@@ -509,12 +539,16 @@ class Stream:
                     break
                 op = self.pending.pop(0)
                 self.executed += 1
+                depth = getattr(_kernels, "depth", 0)
+                _kernels.depth = depth + 1
                 try:
                     self.outstanding = op() or []
                 except _Stalled:   # it runs again when the kernel it waits for has ended
                     self.pending.insert(0, op)
                     self.executed -= 1
                     raise
+                finally:
+                    _kernels.depth = depth
             if complete:
                 self._complete()
 

@@ -228,6 +228,30 @@ def test_a_call_from_a_new_thread_makes_no_context_on_gpu_0(monkeypatch):
         assert in_new_thread(on_0) == 0
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["current-stream", "stream="])
+def test_reduce_scatter_of_a_list_copies_its_parts_where_the_collective_runs(monkeypatch, given):
+    """Finding 10 of issue 32: the parts are copied into one array on the communicator's
+    device, on the stream the collective runs on (its device's current stream, or
+    ``stream=``), whatever device is current: kernels there that wrote the parts first are
+    seen (stand-in rule 23: a copy is a kernel on the current stream)."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(sd.Device._local, "id", sd.Device.current_id(), raising=False)
+    with STANDIN.comm(device=1) as comm:
+        comm.init_device()
+        n, me = comm.size, comm.rank
+        with sd.Device(1):
+            parts = [sd.asarray(np.zeros(3)) for _ in range(n)]
+            caller = sd.Stream(non_blocking=True, deferred=True)
+            with caller:
+                for j, part in enumerate(parts):
+                    sd.launch(caller, lambda part=part, j=j: part.__setitem__(
+                        Ellipsis, me + j + 1.0), "write a part")
+                with sd.Device(0):   # another device current
+                    out = comm.reduce_scatter(parts, stream=caller if given else None)
+            caller.synchronize()
+            assert_equal(STANDIN, out, np.full(3, n * (me + 1.0) + n * (n - 1) / 2))
+
+
 def _on(device, data):
     with sd.Device(device):
         return sd.asarray(data)

@@ -362,6 +362,23 @@ def test_set_device_makes_a_context_and_device_exit_always_sets_the_device_back(
     assert 1 in sd.context_devices()
 
 
+# -- copies are kernels -----------------------------------------------------------------------------------
+def test_a_copy_between_device_arrays_is_a_kernel_on_the_current_stream():
+    """A copy runs when its stream gets there: on a stream still busy, not yet."""
+    held = sd.Stream(non_blocking=True, deferred=True)
+    x, y, flat = sd.asarray(np.zeros(2)), sd.asarray(np.ones(2)), sd.asarray(np.zeros(4))
+    with held:
+        x[...] = y
+        sd.concatenate([y, y], axis=None, out=flat)
+    assert held.log == ["copy", "concatenate"]
+    assert not x.get().any() and not flat.get().any()   # the stream has not got there
+    held.synchronize()
+    assert x.get().all() and flat.get().all()
+    sd.launch(held, lambda: x.__setitem__(Ellipsis, y * 2), "a kernel's own copy")
+    held.synchronize()
+    assert (x.get() == 2).all() and held.log[-1] == "a kernel's own copy"
+
+
 # -- one communicator, one thread at a time ---------------------------------------------------------------
 def test_one_communicator_is_not_used_from_two_threads_at_once(monkeypatch):
     """NCCL forbids concurrent host calls on one communicator (a thread inside a call, a
