@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import cupycomm
 from cupycomm.testing import standin as sd
-from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal, in_new_thread
+from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal, held_inside, in_new_thread
 
 
 
@@ -261,14 +261,7 @@ def test_close_waits_for_the_watchdogs_use_of_the_communicator(dcomm, monkeypatc
     """ncclCommGetAsyncError takes no lock and ncclCommDestroy frees what it reads: close()
     (and abort) wait until the watchdog's call returns, and it leaves a closing one alone."""
     backend = dcomm.init_device()
-    inside, release = threading.Event(), threading.Event()
-    real = backend._comm.check_async_error
-
-    def slow_check():
-        inside.set()
-        release.wait(10)
-        real()
-    monkeypatch.setattr(backend._comm, "check_async_error", slow_check)
+    inside, release = held_inside(monkeypatch, backend._comm, "check_async_error")
     answers, failures = [], []
     watchdog_like = threading.Thread(target=lambda: answers.append(backend.async_error()))
     watchdog_like.start()
@@ -486,14 +479,7 @@ def test_an_abort_waits_for_a_launch_in_progress(dcomm, monkeypatch):
     """Fault 2 of issue 23: the watchdog's ncclCommAbort never runs while the caller's thread
     is inside an NCCL launch of the communicator (stand-in rule 11)."""
     backend = dcomm.init_device()
-    inside, release = threading.Event(), threading.Event()
-    real = backend._comm._enqueue
-
-    def slow(*args):
-        inside.set()
-        release.wait(10)
-        real(*args)
-    monkeypatch.setattr(backend._comm, "_enqueue", slow)
+    inside, release = held_inside(monkeypatch, backend._comm, "_enqueue")
     failures = []
 
     def abort():
@@ -556,14 +542,8 @@ def test_a_second_thread_is_refused_while_the_first_is_inside_a_call(dcomm, monk
     backend = dcomm.init_device()
     n = float(dcomm.size)
     x, y = sd.asarray(np.ones(2)), sd.asarray(np.ones(3))
-    inside, release = threading.Event(), threading.Event()
     real = backend._comm.allReduce
-
-    def slow(*args):
-        inside.set()
-        release.wait(10)
-        real(*args)
-    monkeypatch.setattr(backend._comm, "allReduce", slow)
+    inside, release = held_inside(monkeypatch, backend._comm, "allReduce")
     launcher = threading.Thread(target=dcomm.all_reduce, args=(x,))
     launcher.start()
     inside.wait(10)

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from cupycomm.testing import standin as sd
 from cupycomm.backends.nccl import NcclBackend, nccl_module
 from cupycomm.faults import watchdog
-from arrays import in_new_thread
+from arrays import held_inside, in_new_thread
 
 
 def Tracker():
@@ -391,14 +391,8 @@ def test_one_communicator_is_not_used_from_two_threads_at_once(monkeypatch):
         return lambda: comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, stream.ptr)
     all_reduce(held)()                                    # in flight
     assert in_new_thread(all_reduce(sd.Stream.null)) is None   # handed over all the same
-    inside, release = threading.Event(), threading.Event()
     real = comm._enqueue
-
-    def slow(*args):
-        inside.set()
-        release.wait(10)
-        real(*args)
-    monkeypatch.setattr(comm, "_enqueue", slow)
+    inside, release = held_inside(monkeypatch, comm, "_enqueue")
     launcher = threading.Thread(target=all_reduce(sd.Stream.null))
     launcher.start()
     inside.wait(10)
@@ -421,14 +415,7 @@ def test_one_communicator_is_not_used_from_two_threads_at_once(monkeypatch):
 def test_abort_while_another_thread_is_inside_a_launch_is_refused(monkeypatch):
     comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
     x = sd.asarray(np.ones(2))
-    inside, release = threading.Event(), threading.Event()
-    real = comm._enqueue
-
-    def slow(*args):
-        inside.set()
-        release.wait(10)
-        real(*args)
-    monkeypatch.setattr(comm, "_enqueue", slow)
+    inside, release = held_inside(monkeypatch, comm, "_enqueue")
     launcher = threading.Thread(target=comm.allReduce, args=(x.data.ptr, x.data.ptr, 2, 8, 0, 0))
     launcher.start()
     inside.wait(10)
