@@ -585,10 +585,17 @@ class NcclBackend:
         both others: an event of an ended capture cannot be used, and a capture cannot wait
         on outside work)."""
         caller = self._current_stream(self.device_id)
-        with self.on_device():   # (handle 2, the per-thread stream, is the current device's)
+        # (handle 2, the per-thread stream, is the current device's; no context manager on
+        # this hot path: as in _launch)
+        previous = self._get_device()
+        back = self._switch(previous) if previous != self.device_id else -1
+        try:
             if (caller.ptr not in _LEGACY and caller.is_capturing()) == captured:
                 caller.wait_event(event)
                 return
+        finally:
+            if back >= 0:
+                self._set_device(back)
         raise RuntimeError(
             f"{label}: wait() of a collective launched in a CUDA graph capture must be "
             f"called in that capture, and wait() of one launched outside must not be "
