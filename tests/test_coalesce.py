@@ -166,4 +166,3 @@ def test_bucket_checks_the_op_against_every_dtype_before_any_call(lib, comm):
     assert_equal(lib, bucket.arrays[0], np.full(2, comm.rank + 1.0))   # not averaged
     bucket.all_reduce(op="max")
     assert_equal(lib, bucket.arrays[0], np.full(2, float(comm.size)))
-
