@@ -19,8 +19,8 @@ Sections:
   costs is measured (one no-op call, timed the same way) and subtracted, once per call counted
   on each side, so that the row is cupycomm's Python alone. The CUDA calls besides NCCL that
   one synchronous collective makes are counted too, on the null stream and on a stream of the
-  caller's own (one cudaGetDevice: the backend enters CuPy's Device, which reads the
-  device on entry and always sets it back on exit, only where another one is current).
+  caller's own (one cudaGetDevice: the backend makes the communicator's device current,
+  and sets the previous one back, only where another one is current).
 """
 from __future__ import annotations
 
@@ -155,20 +155,13 @@ class ZeroCost:
             record = staticmethod(cuda("cudaEventRecord"))
             done = True
 
-        get_device, set_device = cuda("cudaGetDevice"), cuda("cudaSetDevice")
-
-        class Device:   # CuPy's: __enter__ reads the device, __exit__ always sets it back
-            def __enter__(self):
-                get_device()
-
-            def __exit__(self, *exc):
-                set_device()
+        get_device = cuda("cudaGetDevice")
 
         class Nccl:
             allReduce = bcast = reduce = allGather = reduceScatter = send = recv = \
                 staticmethod(lambda *args: None)
 
-        self.stream, self.event, self.device, self.nccl = Stream(), Event(), Device(), Nccl()
+        self.stream, self.event, self.nccl = Stream(), Event(), Nccl()
         self.current = lambda device_id=-1: self.stream
         self.get_device = lambda: get_device() or 0   # (device 0: the communicator's)
         self.new_event = lambda **kwargs: Event()
@@ -176,7 +169,6 @@ class ZeroCost:
     def install(self, backend) -> None:
         backend._stream = self.stream
         backend._ready = backend._finished = self.event
-        backend._device = self.device
         backend._get_device = self.get_device
         backend._current_stream = self.current
         backend._new_event = self.new_event

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["world", "node_comm", "node_name", "check_launch", "choose_device",
-           "import_cupy", "broadcast_unique_id", "track_for_exit", "at_safe_point",
+           "device_count", "import_cupy", "broadcast_unique_id", "track_for_exit",
+           "at_safe_point",
            "describe_rank", "exiting"]
 
 
@@ -153,11 +154,16 @@ def choose_device(local_rank: int, cupy: Any) -> Optional[int]:
 
     None when CuPy sees no usable GPU (no driver, no device, or CUDA_VISIBLE_DEVICES empty).
     """
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # cudaErrorNoDevice, cudaErrorInsufficientDriver...
-        return None
+    count = device_count(cupy)
     return local_rank % count if count > 0 else None
+
+
+def device_count(cupy: Any) -> int:
+    """How many GPUs ``cupy`` sees: 0 where it sees no usable one."""
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # cudaErrorNoDevice, cudaErrorInsufficientDriver...
+        return 0
 
 
 def broadcast_unique_id(comm: MPI.Comm, make: Callable[[], Any]) -> Any:

@@ -7,7 +7,6 @@ each rank's rows.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -56,10 +55,8 @@ class Layouts:
         else:
             out = router.check_out(name, "out", b, out, first, (first.shape,))
         whole = b.empty((checks.size,) + first.shape, first.dtype, stream)
-        with stream if stream is not None else contextlib.nullcontext():   # ordered before NCCL
-            for j, part in enumerate(xs):
-                whole[j] = part
-        return b.reduce_scatter(whole, out, wire_type, async_op, stream)
+        pack = [(whole[j, ...], part) for j, part in enumerate(xs)]   # copied by the backend
+        return b.reduce_scatter(whole, out, wire_type, async_op, stream, pack)
 
     def all_to_all_v(self, b: Any, x: Any, wire_type: Any, out: Any,
                      in_splits: Optional[Sequence[int]], out_splits: Optional[Sequence[int]],

@@ -57,7 +57,8 @@ def block(checks: Checks, router: Router, prepared: PreparedCalls) -> Iterator[B
     if checks.batch is not None:
         raise checks.fail(RuntimeError, "batch", "batch() blocks do not nest")
     group = Batch(checks.rank)
-    backends = [b for b in (router.host, router.device) if b is not None]
+    # (the device's first: it refuses a block while another thread is inside a launch)
+    backends = [b for b in (router.device, router.host) if b is not None]
     for backend in backends:
         backend.begin_group(group)
     checks.batch = group

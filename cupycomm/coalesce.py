@@ -119,9 +119,11 @@ def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
 
 def _device_of(comm: Any, xp: Any) -> Any:
     """The communicator's device as a context for device arrays (buffers and copies belong
-    there, whatever device is current), else nothing."""
-    device = xp is not None and xp is comm.parts.router.cupy
-    return comm.device if device else contextlib.nullcontext()
+    there, whatever device is current; the device backend's, which sets no context-less
+    device 0 back), else nothing."""
+    router = comm.parts.router
+    device = xp is not None and xp is router.cupy
+    return router.device.on_device() if device else contextlib.nullcontext()
 
 
 def _all_reduce_runs(comm: Any, name: str, arrays: Sequence[Any], runs: list, natives: list,
@@ -156,21 +158,32 @@ class Plan:
     """A flat buffer for arrays of one dtype and given shapes, and its views shaped as them
     (copying a view back into its array is the cheapest copy per array NumPy makes; a
     :class:`Bucket` hands the views out in place of the arrays). ``key`` is what
-    :class:`Staging` keeps it under."""
+    :class:`Staging` keeps it under; for device arrays, ``stream`` is the stream of its
+    last use once given back (``cuda``, the device module's ``cuda``; ``event`` orders a
+    use on another stream after it)."""
 
-    __slots__ = ("key", "flat", "views")
+    __slots__ = ("key", "flat", "views", "cuda", "stream", "event")
 
     def __init__(self, key: tuple, xp: Any, members: List[Any]) -> None:
         self.key = key
         self.flat = xp.empty(sum(m.size for m in members), members[0].dtype)
         self.views = views_of(self.flat, members)
+        self.cuda: Any = getattr(xp, "cuda", None)   # (NumPy has none: host memory)
+        self.stream: Any = None
+        self.event: Any = None
 
 
 class Staging:
     """Plans kept from one coalesced call to the next, by array module, dtype and shapes: a
     training loop packs the same shapes every step, and a fresh buffer of many MiB costs
     more in page faults than the copies into it. At most :attr:`KEEP` plans are kept (the
-    least recently used go), so that a program whose shapes keep changing does not grow."""
+    least recently used go), so that a program whose shapes keep changing does not grow.
+
+    A device plan is used in stream order: packed, reduced and unpacked on one stream (or
+    unpacked after ``wait()`` on the stream then current). Taken on another stream than
+    its last use's, that stream first waits for an event recorded on the last one (which
+    is past the last unpack), so that a pack never overwrites what a call still reads; taken
+    in a capture, which cannot wait on outside work, a new plan is made instead."""
 
     KEEP = 16
 
@@ -181,10 +194,25 @@ class Staging:
         """A plan for ``members`` (arrays of one dtype): the kept one, or a new one."""
         key = (id(xp), members[0].dtype, tuple([m.shape for m in members]))
         plan = self._free.pop(key, None)
-        return Plan(key, xp, members) if plan is None else plan
+        if plan is None:
+            return Plan(key, xp, members)
+        if plan.stream is not None:
+            here = plan.cuda.get_current_stream()
+            if here is not plan.stream:
+                if here.ptr not in (0, 1) and here.is_capturing():
+                    self._free[key] = plan   # (kept for the stream of its last use)
+                    return Plan(key, xp, members)
+                if plan.event is None:
+                    plan.event = plan.cuda.Event(disable_timing=True)
+                plan.event.record(plan.stream)
+                here.wait_event(plan.event)
+        return plan
 
     def give(self, plan: Plan) -> None:
-        """``plan`` is free again (its collective and the copies out are done)."""
+        """``plan`` is free again (its collective and the copies out are issued, on the
+        current stream for device arrays)."""
+        if plan.cuda is not None:
+            plan.stream = plan.cuda.get_current_stream()
         self._free[plan.key] = plan
         if len(self._free) > self.KEEP:
             self._free.popitem(last=False)

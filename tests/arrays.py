@@ -12,7 +12,7 @@ every rank can compute the expected result of every other rank's input.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -196,3 +196,18 @@ def in_new_thread(call: Callable[[], Any]) -> Any:
     thread.start()
     thread.join()
     return outcome[0]
+
+
+def held_inside(monkeypatch: Any, owner: Any, name: str) -> Tuple[threading.Event,
+                                                                   threading.Event]:
+    """(inside, release): ``owner.name`` made to set ``inside`` when a thread enters it,
+    then to wait for ``release`` (at most 10 s) before it runs: a thread kept inside a call."""
+    inside, release = threading.Event(), threading.Event()
+    real = getattr(owner, name)
+
+    def held(*args: Any) -> Any:
+        inside.set()
+        release.wait(10)
+        return real(*args)
+    monkeypatch.setattr(owner, name, held)
+    return inside, release

@@ -66,6 +66,46 @@ def test_coalesced_keeps_a_bounded_number_of_buffers(lib, comm):
     assert len(comm.parts.staging._free) == keep
 
 
+def test_coalesced_calls_on_two_streams_do_not_share_a_buffer_unordered(dcomm):
+    """Finding 8 of issue 32: the kept buffer of a call on a stream still busy (its pack,
+    all_reduce and unpack not run yet) is taken by the next call of the same shapes on
+    another stream, which must not pack into it before the first call's unpack has read it
+    (stand-in rules 6, 13 and 23: copies are kernels, streams unordered without events)."""
+    from cupycomm.testing import standin as sd
+    n = float(dcomm.size)
+    busy, free = sd.Stream(non_blocking=True, deferred=True), sd.Stream(non_blocking=True)
+    first = [sd.asarray(np.full(3, 1.0)), sd.asarray(np.full(2, 2.0))]
+    second = [sd.asarray(np.full(3, 10.0)), sd.asarray(np.full(2, 20.0))]
+    with busy:
+        dcomm.all_reduce_coalesced(first)
+    with free:
+        dcomm.all_reduce_coalesced(second)
+    busy.synchronize()
+    free.synchronize()
+    for got, want in zip(first + second, [1.0, 2.0, 10.0, 20.0]):
+        np.testing.assert_array_equal(sd.asnumpy(got), np.full(got.shape, want * n))
+
+
+def test_a_coalesced_call_captured_after_one_outside_takes_a_buffer_of_its_own(dcomm):
+    """A capture cannot wait on outside work (stand-in rule 4): the kept buffer of a call
+    on another stream is left to it, and the captured call packs into a new one, which
+    the graph's replays use."""
+    from cupycomm.testing import standin as sd
+    n = float(dcomm.size)
+    outside, inside = [sd.asarray(np.ones(3)), sd.asarray(np.ones(2))], \
+        [sd.asarray(np.full(3, 2.0)), sd.asarray(np.full(2, 3.0))]
+    dcomm.all_reduce_coalesced(outside)
+    capturing = sd.Stream(non_blocking=True)
+    capturing.begin_capture()
+    with capturing:
+        dcomm.all_reduce_coalesced(inside)
+    graph = capturing.end_capture()
+    dcomm.launch_graph(graph, capturing)
+    capturing.synchronize()
+    for got, want in zip(outside + inside, [n, n, 2.0 * n, 3.0 * n]):
+        np.testing.assert_array_equal(sd.asnumpy(got), np.full(got.shape, want))
+
+
 def test_coalesced_empty_list_does_nothing(lib, comm):
     assert comm.all_reduce_coalesced([]) == []
 

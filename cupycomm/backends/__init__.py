@@ -24,7 +24,7 @@ The doors, as small protocols (the annotations of their callers use them):
 """
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, ContextManager, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 __all__ = ["Collectives", "HostBackend", "DeviceBackend", "Completion", "HostCompletion",
            "DeviceCompletion", "Health", "Marks", "Ring"]
@@ -59,8 +59,8 @@ class Collectives(Protocol):
     def all_gather(self, x: Any, recv: Any, spec: Any, async_op: bool, stream: Any,
                    unpack: Sequence[Any] = ()) -> Any: ...
 
-    def reduce_scatter(self, x: Any, recv: Any, spec: Any, async_op: bool,
-                       stream: Any) -> Any: ...
+    def reduce_scatter(self, x: Any, recv: Any, spec: Any, async_op: bool, stream: Any,
+                       pack: Sequence[Any] = ()) -> Any: ...
 
     def all_to_all(self, x: Any, recv: Any, spec: Any, async_op: bool, stream: Any) -> Any: ...
 
@@ -164,6 +164,9 @@ class HostBackend(Collectives, HostCompletion, Protocol):
 class DeviceBackend(Collectives, DeviceCompletion, Health, Protocol):
     @property
     def stream(self) -> Any: ...   # the comm stream (async calls, batch() blocks)
+
+    # its device current inside (a new thread's device 0 is not set back: no context there)
+    def on_device(self) -> ContextManager[None]: ...
 
     def split(self, color: Optional[int], key: int) -> Any: ...
 

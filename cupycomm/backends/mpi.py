@@ -581,7 +581,9 @@ class MPIBackend(HostBackend):
         # The result is the list the parts are copied into.
         return self._finish(done, [dst for dst, _ in unpack], self._unpack(unpack))
 
-    def reduce_scatter(self, x, recv, spec, async_op, stream):
+    def reduce_scatter(self, x, recv, spec, async_op, stream, pack=()):
+        for dst, src in pack:   # (a list's parts, into x)
+            dst[...] = src
         _, _, avg, view = spec
         run = (self._started_runs if async_op else self._runs)["reduce_scatter"][spec]
         done = run(_viewed(x, view), _viewed(recv, view))

@@ -23,6 +23,9 @@ The caller's stream is the current stream *of the communicator's device*, whatev
 current, and every launch makes that device current: the stream handles 0 (the legacy null
 stream) and 2 (the per-thread default stream) mean the current device's, and a CUDA runtime
 call makes a context on the current device. (NCCL sets its communicator's device itself.)
+The previous device is set back after the call, except in a thread with no CUDA context yet
+(a new thread, its device 0 unused), which stays on the communicator's device: setting 0
+back would make a context on GPU 0 (see :meth:`NcclBackend._switch`).
 
 CUDA graph capture: a collective issued while the caller's stream (or ``stream=``) is capturing
 is captured. Events recorded in a capture are graph nodes, which CUDA forbids querying or
@@ -41,8 +44,9 @@ is 0, and ``cudaSetDevice(0)``, which CuPy's ``Device.__exit__`` always calls, w
 a context on GPU 0 for every rank). One lock, ``_lifetime``, keeps every use of the NCCL
 communicator apart (launches, the watchdog's ``ncclCommGetAsyncError``, abort, close): NCCL's
 communicator is not thread-safe, and ``ncclCommAbort``/``ncclCommDestroy`` free what the
-others use. One thread at a time uses a communicator: a call from another thread while the
-last one's work is in flight is refused (see :meth:`NcclBackend._take_over`).
+others use. One thread at a time uses a communicator: a call from another thread while one
+is inside a launch or its batch() block is open is refused; after its call returned, the
+communicator passes to the other thread (see :meth:`NcclBackend._take_over`).
 
 A synchronous call on ``stream=`` keeps its arrays alive until that stream has passed it
 (an event on it, in ``_held``): memory the caller allocated on its own stream returns to
@@ -227,8 +231,9 @@ class NcclBackend:
         self._raw_error = nccl.NcclError
         self.array_type = cupy.ndarray
         self.device_id = device_id
-        self._device = cuda.Device(device_id)
         self._get_device = cuda.runtime.getDevice
+        self._set_device = cuda.runtime.setDevice
+        self._context = cuda.driver.ctxGetCurrent
         self._rank = mpi_comm.Get_rank()
         self._size = mpi_comm.Get_size()
         self._tracker = tracker
@@ -241,6 +246,7 @@ class NcclBackend:
         # (event, arrays) of synchronous calls on a ``stream=``: kept until the event is done
         self._held: collections.deque = collections.deque()
         self._owner: Any = None   # the thread of the last call (one thread at a time)
+        self._inside = False      # whether a thread is inside a launch (not in a group)
         self._captures = 0        # collectives captured in CUDA graphs
         self._replays = (0, 0)    # (graph replays by launch_graph, the collective before the last)
         self._group: Any = None   # the open batch() block, if any
@@ -249,7 +255,7 @@ class NcclBackend:
         # Every use of the NCCL communicator (launches, the watchdog's, abort, close): NCCL's
         # communicator is not thread-safe, and ncclCommAbort frees what a launch uses.
         self._lifetime = threading.Lock()
-        with self._device:
+        with self.on_device():
             if nccl_comm is None:   # both wait for every rank: watched, as a call
                 with tracker.inside(f"init_device #{tracker.seq + 1}"):
                     unique_id = broadcast_unique_id(mpi_comm, nccl.get_unique_id)
@@ -305,11 +311,11 @@ class NcclBackend:
         ``stream``) itself, then ``_finished`` recorded after it for the watchdog; none in a
         capture (the watchdog must never query an event recorded there). An ``async_op``
         call: see :meth:`_launch_async`."""
+        if _thread() != self._owner:
+            self._take_over(label)
         with self._lifetime:   # (not while the watchdog aborts it)
             if self._aborted:
                 raise self._was_aborted(label, self._tracker.seq + 1)
-            if _thread() != self._owner:
-                self._take_over(label)
             tracker = self._tracker
             tracker.seq = seq = tracker.seq + 1
             self._flight[seq % self._slots] = (label, "nccl")
@@ -317,10 +323,10 @@ class NcclBackend:
                 return self._launch_grouped(call, args, result, keep, label, stream, unpack)
             # Handles 0 and 2 mean the current device's default streams, and a CUDA runtime
             # call makes a context on the current device: the communicator's device is made
-            # current, and only where it is not (CuPy's Device.__exit__ always sets back).
-            switch = self._get_device() != self.device_id
-            if switch:
-                self._device.__enter__()
+            # current, and only where it is not (see _switch).
+            previous = self._get_device()
+            back = self._switch(previous) if previous != self.device_id else -1
+            self._inside = True
             try:
                 if async_op:
                     return self._launch_async(call, args, result, keep, label, stream, unpack,
@@ -336,33 +342,50 @@ class NcclBackend:
                         self._hold(keep, here)
                 return result
             finally:
-                if switch:
-                    self._device.__exit__(None, None, None)
+                self._inside = False
+                if back >= 0:
+                    self._set_device(back)
+
+    def _switch(self, previous: int) -> int:
+        """Make the communicator's device current in this thread, where ``previous`` is;
+        returns the device to set back after the call: ``previous``, or -1 (none) where this
+        thread has no CUDA context yet (a new thread, its device 0 unused): setting 0 back
+        would make a context on GPU 0 (cudaSetDevice initializes it, CUDA 12), hundreds of
+        MiB per rank. That thread stays on the communicator's device, as the watchdog's
+        does (torch's device guard sets no device back without a context either)."""
+        back = previous if self._context() else -1
+        self._set_device(self.device_id)
+        return back
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """The communicator's device current inside the block (see :meth:`_switch`)."""
+        previous = self._get_device()
+        back = self._switch(previous) if previous != self.device_id else -1
+        try:
+            yield
+        finally:
+            if back >= 0:
+                self._set_device(back)
 
     def _take_over(self, label: str) -> None:
-        """A call from another thread than the last call's: refused while that thread's
-        collectives are in flight or its batch() block is open (NCCL forbids using one
-        communicator from two threads at once: interleaved differently on the ranks, their
-        calls would reduce each other's buffers), else this thread's from now on."""
+        """A call from another thread than the last call's: refused while that thread is
+        inside a call on the communicator or its batch() block is open (NCCL forbids
+        concurrent host calls on one communicator: interleaved differently on the ranks,
+        their calls would reduce each other's buffers), else this thread's from now on.
+        The first thread's kernels in flight do not matter (a hand-off after its call
+        returned is ordered on every rank alike; whether kernels are done is timing).
+        (Checked before ``_lifetime``, which a launch inside holds.)"""
         if self._owner is not None:
-            if self._group is not None:
-                busy = "its batch() block is open"
-            else:
-                with _relaxed_capture_mode(self._runtime):
-                    busy = "its collectives are still in flight" if self._in_flight() else ""
+            busy = ("its batch() block is open" if self._group is not None else
+                    "it is inside a call on it" if self._inside else "")
             if busy:
                 raise RuntimeError(
                     f"{label}: this communicator is in use by another thread ({busy}) on rank "
                     f"{self._rank}; NCCL forbids using one communicator from two threads at "
                     f"once: use one communicator per thread (comm.split), or hold one lock "
-                    f"around each thread's calls until they complete")
+                    f"around each thread's calls until they return")
         self._owner = _thread()
-
-    def _in_flight(self) -> bool:
-        """Whether collectives launched outside captures have not completed yet."""
-        inflight = self._inflight
-        return not self._finished.done or bool(
-            inflight and inflight[-1]._event is not None and not inflight[-1]._event.done)
 
     def _hold(self, keep: tuple, stream: Any) -> None:
         """Keep ``keep`` alive until ``stream`` has got past the call just launched there:
@@ -444,6 +467,8 @@ class NcclBackend:
         return work
 
     def begin_group(self, group: Any) -> None:
+        if _thread() != self._owner:   # the block's calls are this thread's
+            self._take_over("batch")
         self._group = group
 
     def end_group(self, group: Any, cancel: bool) -> None:
@@ -455,7 +480,7 @@ class NcclBackend:
         with self._lifetime:
             if self._aborted:
                 raise self._was_aborted("batch", self._tracker.seq)
-            with self._device:
+            with self.on_device():
                 self._launch_group(group)
 
     def _launch_group(self, group: Any) -> None:
@@ -521,7 +546,9 @@ class NcclBackend:
         return self._launch(self._comm.allGather, args, result, (x, recv), "all_gather",
                             async_op, stream, unpack)
 
-    def reduce_scatter(self, x, recv, spec, async_op, stream):
+    def reduce_scatter(self, x, recv, spec, async_op, stream, pack=()):
+        if pack:
+            self._pack(pack, stream)
         datatype, factor, op = spec
         args = (x.data.ptr, recv.data.ptr, recv.size * factor, datatype, op)
         return self._launch(self._comm.reduceScatter, args, recv, (x, recv), "reduce_scatter",
@@ -564,6 +591,16 @@ class NcclBackend:
         return self._exchange([(x.data.ptr, x.nbytes, dst)], [(buf.data.ptr, buf.nbytes, src)],
                               buf, (x, buf), "sendrecv", async_op, stream)
 
+    def _pack(self, pack, stream: Any) -> None:
+        """``dst[...] = src`` for each pair (a list's parts into the array a call sends), on
+        this device and on the stream the call is ordered after: ``stream``, else this
+        device's current stream (a synchronous call runs there, an async one or a batch()
+        block waits for it), whatever device is current."""
+        with self.on_device(), (self._current_stream(self.device_id) if stream is None
+                                else stream):
+            for dst, src in pack:
+                dst[...] = src
+
     def _exchange(self, sends: list, receives: list, result, keep: tuple, label: str,
                   async_op: bool, stream: Any) -> Any:
         """(address, bytes, peer) transfers out and in, as one NCCL group."""
@@ -586,7 +623,7 @@ class NcclBackend:
             raise self._was_aborted("split", self._tracker.seq)
         # CuPy's docstring of commSplit: collectives still in flight may deadlock it.
         self._synchronize()
-        with self._lifetime, self._device:
+        with self._lifetime, self.on_device():
             if self._aborted:
                 raise self._was_aborted("split", self._tracker.seq)
             return self._nccl(lambda: self._comm.commSplit(-1 if color is None else color, key),
@@ -602,7 +639,7 @@ class NcclBackend:
         with self._lifetime:
             if self._aborted:
                 raise self._was_aborted("launch_graph", self._tracker.seq)
-            with self._device:
+            with self.on_device():
                 here = self._current_stream(self.device_id) if stream is None else stream
                 with self._tracker.inside("launch_graph"):   # cudaGraphLaunch may block
                     graph.launch(here)
@@ -622,7 +659,7 @@ class NcclBackend:
     def empty(self, shape: tuple, dtype: Any, stream: Any = None) -> Any:
         """A new array; with ``stream``, from that stream's memory pool, so that the memory
         is only reused after what ``stream`` does with it."""
-        with self._device:
+        with self.on_device():
             if stream is None:
                 return self._cupy.empty(shape, dtype)
             with stream:
@@ -634,10 +671,17 @@ class NcclBackend:
         both others: an event of an ended capture cannot be used, and a capture cannot wait
         on outside work)."""
         caller = self._current_stream(self.device_id)
-        with self._device:   # (handle 2, the per-thread stream, is the current device's)
+        # (handle 2, the per-thread stream, is the current device's; no context manager on
+        # this hot path: as in _launch)
+        previous = self._get_device()
+        back = self._switch(previous) if previous != self.device_id else -1
+        try:
             if (caller.ptr not in _LEGACY and caller.is_capturing()) == captured:
                 caller.wait_event(event)
                 return
+        finally:
+            if back >= 0:
+                self._set_device(back)
         raise RuntimeError(
             f"{label}: wait() of a collective launched in a CUDA graph capture must be "
             f"called in that capture, and wait() of one launched outside must not be "

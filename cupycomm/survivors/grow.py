@@ -13,7 +13,10 @@ grown communicator; :func:`~cupycomm.survivors.numbering.joined_late` tells the 
 The old communicator is retired as after ``shrink()`` (``shrink.retire``: every call
 refused with :class:`~cupycomm.errors.CommShrunkError`). The grown communicator makes its NCCL
 communicator on its first device collective (or ``init_device()``), from a fresh unique id
-broadcast over the grown MPI communicator, as ``init()``'s does.
+broadcast over the grown MPI communicator, as ``init()``'s does. A newcomer takes a GPU that
+no survivor of its node uses (the lost rank's, on the lost rank's node), not one chosen by
+its local rank, which may be a survivor's (:func:`_gpu_of_newcomer`); ``init(device=)``
+still decides where it is given.
 
 Open MPI counts the slot of a lost rank as taken: the spawn asks to oversubscribe
 (``map_by :OVERSUBSCRIBE``, ``bind_to none``), so the job need not be started with
@@ -29,11 +32,11 @@ from __future__ import annotations
 
 import numbers
 import sys
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from mpi4py import MPI
 
-from .. import _env
+from .. import _bootstrap, _env
 from . import numbering
 from .lost import peer_lost
 from .shrink import retire
@@ -74,6 +77,9 @@ def grow(comm: "Communicator", n: int, command: Optional[Sequence[str]] = None
             raise RuntimeError(f"grow: the new process(es) running {' '.join(argv)!r} did "
                                f"not join: {refusal} (rank {comm.rank})")
         grown = _merge(spawned, plan, comm.world_ranks[comm.rank], high=False)
+        router = comm.parts.router   # (its device: where the device module is loaded)
+        _node_gpus(grown, False, router.device_number() if router.cupy is not None
+                   else router.device_choice)
     retire(comm, survival, "grow")
     made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
                                device=comm.parts.router.device_choice,
@@ -104,6 +110,9 @@ def join(device: Optional[int], device_module: Any, refusal: Optional[str] = Non
         parent.Disconnect()
         raise RuntimeError(f"init: {refusal}")
     grown = _merge(parent, plan, plan["ranks"][parent.Get_rank()], high=True)
+    place, members = _node_gpus(grown, True, device)
+    if device is None:
+        device = _gpu_of_newcomer(place, members, device_module)
     made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
                                device=device, device_module=device_module, debug=plan["debug"])
     numbering.keep(made)
@@ -127,6 +136,38 @@ def _merge(intercomm: MPI.Intercomm, plan: Dict[str, Any], me: int, high: bool) 
     grown.Set_errhandler(MPI.ERRORS_RETURN)
     numbering.adopt(grown, sorted((*plan["members"], *plan["ranks"])), plan["job"], high)
     return grown
+
+
+def _node_gpus(grown: MPI.Comm, late: bool, gpu: Optional[int]
+               ) -> Tuple[int, List[Tuple[bool, Optional[int]]]]:
+    """(this rank's place among the ranks of ``grown`` on its node, each one's (newcomer?,
+    the GPU it uses or None)); collective over ``grown``, survivors and newcomers alike."""
+    node = _bootstrap.node_comm(grown)
+    try:
+        return node.Get_rank(), node.allgather((late, gpu))
+    finally:
+        node.Free()
+
+
+def _gpu_of_newcomer(place: int, members: List[Tuple[bool, Optional[int]]],
+                     device_module: Any) -> Optional[int]:
+    """The GPU of the newcomer at ``place`` among its node's ``members``: the GPUs no
+    survivor there uses, shared out among the node's newcomers in order (round-robin over
+    all where none is free, as :func:`~cupycomm._bootstrap.choose_device`); None (chosen by
+    the local rank, as at ``init()``) where no survivor of the node uses a GPU.
+
+    Example: survivors on GPUs 3, 1, 0 of 4, the lost rank's 2: the newcomer takes 2, where
+    its local rank (1) would take a survivor's."""
+    used = {gpu for late, gpu in members if not late and gpu is not None}
+    if not used:
+        return None
+    cupy = device_module if device_module is not None else _bootstrap.import_cupy()
+    count = _bootstrap.device_count(cupy) if cupy is not None else 0
+    if count == 0:
+        return None
+    free = [gpu for gpu in range(count) if gpu not in used] or list(range(count))
+    newcomers = [i for i, (late, _) in enumerate(members) if late]
+    return free[newcomers.index(place) % len(free)]
 
 
 def _command(rank: int, n: Any, command: Any) -> List[str]:

@@ -71,12 +71,19 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
 14. ``cudaSetDevice`` creates its device's primary context in the process (:data:`contexts`,
     :func:`context_devices`), and so does any runtime call on a device without one;
     ``Device.__exit__`` always sets the previous device back, 0 in a thread that never set
-    one [CUDA 12 Runtime API, cudaSetDevice: "initializes the primary context";
-    pytorch#94864; CuPy v14.2.0 ``cupy/cuda/device.pyx``, ``Device.__enter__``/``__exit__``].
-15. One communicator is not used from two threads at once: a call from a thread other than
-    the last call's, while that call has not completed or while that thread's open group
-    holds a call of it, is refused; ``groupStart``/``groupEnd`` state is per thread [NCCL's
-    user guide, "Thread Safety" and "Group Calls": the group state is thread-local].
+    one; a thread has no current context (``driver.ctxGetCurrent()`` is 0) until such a call
+    binds its current device's [CUDA 12 Runtime API, cudaSetDevice: "initializes the primary
+    context"; CUDA Driver API, cuCtxGetCurrent: NULL "if no context is bound to the calling
+    CPU thread"; pytorch#94864, and torch's ``cuda.device.__exit__`` (c10's
+    MaybeExchangeDevice sets no device back whose context does not exist); CuPy v14.2.0
+    ``cupy/cuda/device.pyx``, ``Device.__enter__``/``__exit__``,
+    ``cupy_backends/cuda/api/driver.pyx`` ctxGetCurrent].
+15. One communicator is not used from two threads at once: a call from a thread while
+    another thread is inside a call on it, or while another thread's open group holds a
+    call of it, is refused; a call from another thread after the last one returned runs,
+    whether or not its kernels have completed; ``groupStart``/``groupEnd`` state is per
+    thread [NCCL's user guide, "Thread Safety": concurrent host calls on one communicator
+    are forbidden, nothing else; "Group Calls": the group state is thread-local].
 16. The legacy null stream synchronizes with the blocking streams of its device: work on it
     waits for their earlier work and theirs for its earlier work; non-blocking streams are
     not ordered with it [CUDA Runtime API, "Stream synchronization behavior", legacy default
@@ -140,6 +147,12 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     default since 2.22, defers the transport setup from ncclCommInitRank to the first
     launch; ``transport.cc`` ncclTransportP2pSetup waits for the peer's side there, polling
     the communicator's abort flag].
+25. A copy between device arrays that a caller makes (``x[...] = y``, ``concatenate(out=)``:
+    packs, unpacks, the parts of a list) is a kernel on the current stream of the current
+    device: it reads and writes when that stream gets there, unordered with other streams
+    (a fill from a host value still runs at once) [CuPy ``_core/core.pyx``
+    ``ndarray.__setitem__`` and ``_core/_routines_manipulation.pyx`` concatenate: elementwise
+    kernels launched on ``get_current_stream()``; CUDA Programming Guide, streams].
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -250,6 +263,14 @@ class ndarray(np.ndarray):
     def get(self) -> np.ndarray:
         """cupy.ndarray.get: a host copy."""
         return np.array(self.view(np.ndarray))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """A copy from a device array is a kernel on the current stream (rule 25)."""
+        if isinstance(value, ndarray):
+            target, source = self.view(np.ndarray), value.view(np.ndarray)
+            _copy_kernel(lambda: target.__setitem__(key, source), "copy")
+        else:
+            super().__setitem__(key, value)
 
 
 def getDevice() -> int:
@@ -376,7 +397,8 @@ def concatenate(arrays: Any, axis: Optional[int] = 0, out: Optional[ndarray] = N
     """cupy.concatenate: a new device array, or ``out`` (one kernel on a GPU)."""
     parts = [np.asarray(a).view(np.ndarray) for a in arrays]
     if out is not None:
-        np.concatenate(parts, axis, out=out.view(np.ndarray))
+        target = out.view(np.ndarray)
+        _copy_kernel(lambda: np.concatenate(parts, axis, out=target), "concatenate")
         return out
     return _register(np.concatenate(parts, axis))
 
@@ -420,6 +442,21 @@ class _Stalled(Exception):
 
 
 _stalls = threading.local()   # depth: inside how many asynchronous calls this thread is
+_kernels = threading.local()  # depth: inside how many pieces of stream work this thread runs
+
+
+def _copy_kernel(copy: Callable[[], Any], name: str) -> None:
+    """A copy between device arrays made by a caller (an assignment, ``concatenate(out=)``):
+    a kernel on the current stream of the current device, which reads and writes when that
+    stream gets there (rule 25); inside a piece of stream work (the stand-in's own) it runs
+    there and then."""
+    if getattr(_kernels, "depth", 0):
+        copy()
+        return
+
+    def kernel() -> None:
+        copy()
+    _resolved(get_current_stream()).enqueue(kernel, name)
 
 
 @contextlib.contextmanager
@@ -524,12 +561,16 @@ class Stream:
                     break
                 op = self.pending.pop(0)
                 self.executed += 1
+                depth = getattr(_kernels, "depth", 0)
+                _kernels.depth = depth + 1
                 try:
                     self.outstanding = op() or []
                 except _Stalled:   # it runs again when the kernel it waits for has ended
                     self.pending.insert(0, op)
                     self.executed -= 1
                     raise
+                finally:
+                    _kernels.depth = depth
             if complete:
                 self._complete()
 
@@ -821,6 +862,14 @@ _thread_modes = threading.local()   # this thread's capture interaction mode (gl
 # (thread, device) of every runtime call: the device's primary context exists in this process
 # from then on (context_devices() counts them per device); the thread says who made it
 contexts: set = set()
+_bound = threading.local()   # bound: whether this thread has a current context (rule 14)
+
+
+def ctxGetCurrent() -> int:
+    """cuCtxGetCurrent (CuPy's ``driver.ctxGetCurrent``): the calling thread's current
+    context, 0 where none is bound to it: a new thread has none (cudaGetDevice binds none)
+    until a runtime call binds its current device's primary context (rule 14)."""
+    return 0xC0 + Device.current_id() if getattr(_bound, "bound", False) else 0
 
 
 def threadExchangeStreamCaptureMode(mode: int) -> int:
@@ -838,6 +887,7 @@ def _runtime_call(call: str, unsafe: bool = False, capturing: Optional[_Capture]
     capture that forbids it, when a capture forbids it; so is any query of a capturing stream
     (``capturing``)."""
     contexts.add((threading.get_ident(), Device.current_id()))
+    _bound.bound = True
     if capturing is not None:
         capturing.invalidate(f"{call} of a capturing stream")
         raise CUDARuntimeError(f"stand-in: cudaErrorStreamCaptureUnsupported: {call} of a "
@@ -1190,8 +1240,8 @@ class NcclCommunicator:
         self._alive = True
         self._last: Optional[tuple] = None   # (stream, position) of the last call not captured
         self._inside: list = []   # the NCCL calls other threads are inside now
+        self._callers: list = []  # (thread, call) of each of those (rule 15)
         self._readers_lock = threading.Lock()
-        self._user: Optional[int] = None      # the thread of the last call
         self._grouping: Optional[int] = None  # the thread whose open group has a call of it
         self.async_error: Optional[str] = None   # tests set it to model an asynchronous error
         self.member_lost: Optional[str] = None   # tests set it to model a member's death
@@ -1265,11 +1315,13 @@ class NcclCommunicator:
         with self._readers_lock:
             self._check()
             self._inside.append(call)
+            self._callers.append((threading.get_ident(), call))
         try:
             yield
         finally:
             with self._readers_lock:
                 self._inside.remove(call)
+                self._callers.remove((threading.get_ident(), call))
 
     def check_async_error(self) -> None:
         with self._entered("ncclCommGetAsyncError"):
@@ -1373,8 +1425,8 @@ class NcclCommunicator:
         split._device, split._alive, split.async_error = self._device, True, None
         split.member_lost, split.freed_by, split.unique_id = None, "", b""
         split._waiting = False
-        split._last = split._user = split._grouping = None
-        split._inside, split._readers_lock = [], threading.Lock()
+        split._last = split._grouping = None
+        split._inside, split._callers, split._readers_lock = [], [], threading.Lock()
         split._graphs, split._revoked, split._connected = weakref.WeakSet(), False, set()
         NcclCommunicator.handles.add(split)
         return split
@@ -1422,19 +1474,18 @@ class NcclCommunicator:
         self._connected.update(new)
 
     def _check_thread(self, name: str) -> None:
-        """Rule 15: a call from another thread than the last one's while that call has not
-        completed, or while that thread's open group holds a call of this communicator, is
-        refused (NCCL: one communicator is not used from two threads at once; its group
-        state is per thread)."""
+        """Rule 15: a call while another thread is inside a call on this communicator, or
+        while another thread's open group holds a call of it, is refused (NCCL: one
+        communicator is not used from two threads at once; its group state is per thread).
+        Its kernels in flight do not matter: they are the device's, not a thread's."""
         me = threading.get_ident()
-        if self._user not in (None, me):
-            last = self._last
-            if self._grouping not in (None, me) or (
-                    last is not None and not last[0].reached(last[1])):
-                raise NcclError(f"stand-in: ncclInvalidUsage: {name} from a second thread "
-                                f"while another thread's call on this communicator is in "
-                                f"progress (NCCL forbids concurrent use)", status=5)
-        self._user = me
+        with self._readers_lock:   # (ncclCommGetAsyncError is made to be asked meanwhile)
+            others = [call for thread, call in self._callers
+                      if thread != me and call != "ncclCommGetAsyncError"]
+        if others or self._grouping not in (None, me):
+            raise NcclError(f"stand-in: ncclInvalidUsage: {name} from a second thread "
+                            f"while another thread's call on this communicator is in "
+                            f"progress (NCCL forbids concurrent use)", status=5)
 
     def _enqueue(self, stream_ptr: int, name: str, run: Callable[[], Optional[list]],
                  outputs: Sequence[np.ndarray]) -> None:
@@ -1548,15 +1599,17 @@ nccl = _submodule("cuda.nccl", available=True,
                   groupEnd=groupEnd)
 runtime = _submodule("cuda.runtime", getDeviceCount=lambda: DEVICE_COUNT, getDevice=getDevice,
                      setDevice=setDevice)
+driver = _submodule("cuda.driver", ctxGetCurrent=ctxGetCurrent)
 cuda = _submodule("cuda", Device=Device, Stream=Stream, Event=Event, runtime=runtime,
-                  get_current_stream=get_current_stream, __path__=[])
+                  driver=driver, get_current_stream=get_current_stream, __path__=[])
 
 
 class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports ``<stand-in>.cuda`` and ``<stand-in>.cuda.nccl``; Python's import system sets
     ``cuda.nccl`` only then, as for CuPy."""
 
-    modules = {cuda.__name__: cuda, nccl.__name__: nccl, runtime.__name__: runtime}
+    modules = {cuda.__name__: cuda, nccl.__name__: nccl, runtime.__name__: runtime,
+               driver.__name__: driver}
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname in self.modules:

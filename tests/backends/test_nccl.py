@@ -15,7 +15,7 @@ import cupycomm
 from cupycomm.testing import standin as sd
 from cupycomm.backends.nccl import NcclBackend, nccl_module
 from cupycomm.faults.watchdog import Tracker
-from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal, in_new_thread
+from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal, held_inside, in_new_thread
 
 
 
@@ -196,6 +196,65 @@ def test_a_rank_on_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
         assert sd.context_devices() == {1}
 
 
+def test_a_call_from_a_new_thread_makes_no_context_on_gpu_0(monkeypatch):
+    """Finding 9 of issue 32: a new thread's current device is 0 and has no context there;
+    a call from it (a launch, a new array, wait()) must not set device 0 back after making
+    the rank's current (stand-in rule 14: that makes a context on GPU 0, hundreds of MiB
+    per rank). A thread that had a context on device 0 gets device 0 back."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(sd.Device._local, "id", sd.Device.current_id(), raising=False)
+    with STANDIN.comm(device=1) as comm:
+        x = comm.xp.asarray(np.ones(2))   # comm.xp makes the rank's device current
+        comm.init_device()
+        sd.contexts.clear()
+
+        y = comm.xp.asarray(np.ones(3))
+
+        def calls():
+            comm.all_reduce(x)
+            gathered = comm.all_gather(x)
+            comm.all_reduce(x, async_op=True).wait()
+            return gathered
+        gathered = in_new_thread(calls)
+        in_new_thread(lambda: comm.all_reduce_coalesced([x, y]))   # (its first call)
+        assert sd.context_devices() == {1}
+        n = float(comm.size)
+        assert_equal(STANDIN, gathered, np.full((comm.size, 2), n))
+        sd.Device(1).synchronize()
+        assert_equal(STANDIN, x, np.full(2, n ** 3))
+        assert_equal(STANDIN, y, np.full(3, n))
+
+        def on_0():
+            sd.runtime.setDevice(0)
+            comm.all_reduce(x)
+            return sd.runtime.getDevice()
+        assert in_new_thread(on_0) == 0
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["current-stream", "stream="])
+def test_reduce_scatter_of_a_list_copies_its_parts_where_the_collective_runs(monkeypatch, given):
+    """Finding 10 of issue 32: the parts are copied into one array on the communicator's
+    device, on the stream the collective runs on (its device's current stream, or
+    ``stream=``), whatever device is current: kernels there that wrote the parts first are
+    seen (stand-in rule 25: a copy is a kernel on the current stream)."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    monkeypatch.setattr(sd.Device._local, "id", sd.Device.current_id(), raising=False)
+    with STANDIN.comm(device=1) as comm:
+        comm.init_device()
+        n, me = comm.size, comm.rank
+        with sd.Device(1):
+            parts = [sd.asarray(np.zeros(3)) for _ in range(n)]
+            caller = sd.Stream(non_blocking=True, deferred=True)
+            with caller:
+                for j, part in enumerate(parts):
+                    sd.launch(caller, lambda part=part, j=j: part.__setitem__(
+                        Ellipsis, me + j + 1.0), "write a part")
+                with sd.Device(0):   # another device current
+                    out = comm.reduce_scatter(parts, stream=caller if given else None)
+            caller.synchronize()
+            assert_equal(STANDIN, out, np.full(3, n * (me + 1.0) + n * (n - 1) / 2))
+
+
 def _on(device, data):
     with sd.Device(device):
         return sd.asarray(data)
@@ -205,14 +264,7 @@ def test_close_waits_for_the_watchdogs_use_of_the_communicator(dcomm, monkeypatc
     """ncclCommGetAsyncError takes no lock and ncclCommDestroy frees what it reads: close()
     (and abort) wait until the watchdog's call returns, and it leaves a closing one alone."""
     backend = dcomm.init_device()
-    inside, release = threading.Event(), threading.Event()
-    real = backend._comm.check_async_error
-
-    def slow_check():
-        inside.set()
-        release.wait(10)
-        real()
-    monkeypatch.setattr(backend._comm, "check_async_error", slow_check)
+    inside, release = held_inside(monkeypatch, backend._comm, "check_async_error")
     answers, failures = [], []
     watchdog_like = threading.Thread(target=lambda: answers.append(backend.async_error()))
     watchdog_like.start()
@@ -464,10 +516,9 @@ def test_the_watchdogs_query_leaves_the_callers_current_device_alone(monkeypatch
     with STANDIN.comm(device=1) as comm:
         backend = comm.init_device()
         with sd.Device(1):   # (the test leaves this thread's current device as it found it)
-            with backend._device:
-                watchdog = threading.Thread(target=backend.has_pending_work)
-                watchdog.start()
-                watchdog.join()
+            watchdog = threading.Thread(target=backend.has_pending_work)
+            watchdog.start()
+            watchdog.join()
             assert sd.Device.current_id() == 1
             x = comm.xp.asarray(np.ones(2))
             assert_equal(STANDIN, comm.all_reduce(x), np.full(2, float(comm.size)))
@@ -502,14 +553,7 @@ def test_an_abort_waits_for_a_launch_in_progress(dcomm, monkeypatch):
     """Fault 2 of issue 23: the watchdog's ncclCommAbort never runs while the caller's thread
     is inside an NCCL launch of the communicator (stand-in rule 11)."""
     backend = dcomm.init_device()
-    inside, release = threading.Event(), threading.Event()
-    real = backend._comm._enqueue
-
-    def slow(*args):
-        inside.set()
-        release.wait(10)
-        real(*args)
-    monkeypatch.setattr(backend._comm, "_enqueue", slow)
+    inside, release = held_inside(monkeypatch, backend._comm, "_enqueue")
     failures = []
 
     def abort():
@@ -536,30 +580,69 @@ def test_an_abort_waits_for_a_launch_in_progress(dcomm, monkeypatch):
         dcomm.all_reduce(x)
 
 
-def test_a_second_thread_is_refused_while_the_first_ones_work_is_in_flight(dcomm):
-    """Fault 4 of issue 23: two threads issuing collectives on one communicator in different
-    orders on the ranks would reduce each other's buffers (NCCL forbids it, stand-in rule
-    15): refused before anything runs, naming the call and the fix."""
+def test_a_communicator_is_handed_to_another_thread_while_its_work_is_in_flight(dcomm):
+    """Finding 6 of issue 32: NCCL forbids only concurrent host calls on one communicator,
+    so a call from a second thread after the first one's returned runs, on every rank alike,
+    whether or not the first one's kernels have completed (on a GPU they nearly never have:
+    refusing then was a decision by timing, and a rank that refused left its peer hanging)."""
     backend = dcomm.init_device()
     n = float(dcomm.size)
     x, y = sd.asarray(np.ones(2)), sd.asarray(np.ones(3))
     held = sd.Stream(non_blocking=True, deferred=True)
     with held:
-        dcomm.all_reduce(x)                        # in flight
+        dcomm.all_reduce(x)                                   # in flight
+    assert backend.has_pending_work()
+    assert_equal(STANDIN, in_new_thread(lambda: dcomm.all_reduce(y)), np.full(3, n))
+    with held:
+        dcomm.all_reduce(x)                                   # back, in flight again
+    with_block = in_new_thread(lambda: _reduced_in_a_batch(dcomm, y))
+    assert_equal(STANDIN, with_block, np.full(3, n * n))     # its own batch() block
+    held.synchronize()
+    assert_equal(STANDIN, x, np.full(2, n * n))
+
+
+def _reduced_in_a_batch(comm, y):
+    with comm.batch():
+        comm.all_reduce(y)
+    sd.Device().synchronize()
+    return y
+
+
+def test_a_second_thread_is_refused_while_the_first_is_inside_a_call(dcomm, monkeypatch):
+    """Fault 4 of issue 23, finding 6 of issue 32: a call from a thread while another
+    thread is inside a launch on the communicator, or its batch() block is open, would use
+    NCCL's communicator from two threads at once (stand-in rule 15): refused before
+    anything runs, naming the call and the fix; the communicator is usable after."""
+    backend = dcomm.init_device()
+    n = float(dcomm.size)
+    x, y = sd.asarray(np.ones(2)), sd.asarray(np.ones(3))
+    real = backend._comm.allReduce
+    inside, release = held_inside(monkeypatch, backend._comm, "allReduce")
+    launcher = threading.Thread(target=dcomm.all_reduce, args=(x,))
+    launcher.start()
+    inside.wait(10)
     seq = backend._tracker.seq
-    refused = in_new_thread(lambda: dcomm.all_reduce(y))
+    outcome = []
+    second = threading.Thread(target=lambda: outcome.append(in_new_thread(
+        lambda: dcomm.broadcast(y))))
+    second.start()
+    second.join(2)                           # (a call that waited for the first would be here)
+    release.set()
+    launcher.join()
+    second.join()
+    refused = outcome[0]
     assert isinstance(refused, RuntimeError), refused
-    assert "all_reduce" in str(refused) and "another thread" in str(refused)
-    assert "one communicator per thread" in str(refused) and backend._tracker.seq == seq
+    assert "broadcast" in str(refused) and "another thread" in str(refused)
+    assert "inside a call" in str(refused) and "one communicator per thread" in str(refused)
+    assert backend._tracker.seq == seq
+    monkeypatch.setattr(backend._comm, "allReduce", real)
     with dcomm.batch():
         dcomm.all_reduce(y)
         refused = in_new_thread(lambda: dcomm.all_reduce(x))
     assert isinstance(refused, RuntimeError) and "batch() block" in str(refused), refused
-    held.synchronize()
     sd.Device().synchronize()
     assert_equal(STANDIN, x, np.full(2, n))
-    assert_equal(STANDIN, in_new_thread(lambda: dcomm.all_reduce(y)), np.full(3, n * n))   # handed over
-    assert_equal(STANDIN, dcomm.all_reduce(y), np.full(3, n ** 3))                     # and back
+    assert_equal(STANDIN, dcomm.all_reduce(y), np.full(3, n * n))
 
 
 def test_a_stream_of_another_device_is_refused_before_anything_runs(monkeypatch):

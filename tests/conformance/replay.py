@@ -30,6 +30,9 @@ from . import shapes
 # modules (cupy_backends.cuda.api.runtime, .driver, cupy_backends.cuda.libs.nccl...).
 DEVICE_ERRORS = ("CUDARuntimeError", "CUDADriverError", "NcclError", "CompileException",
                  "OutOfMemoryError")
+# CuPy 14's driver functions load libcuda on their first call: without a driver they raise this
+# RuntimeError after taking their arguments, as a call that reached CUDA.
+NO_DRIVER = "CuPy failed to load libcuda"
 # Names some CuPy versions lack, which cupycomm looks for before it calls them.
 GUARDED = {"cupy.cuda.nccl.NcclCommunicator.commSplit":
            "CuPy < 14 has no commSplit; NcclBackend.split checks hasattr(comm, 'commSplit') "
@@ -198,7 +201,7 @@ def _outcome(shape: dict) -> Optional[str]:
     try:
         call()
     except Exception as error:
-        if type(error).__name__ in DEVICE_ERRORS:
+        if type(error).__name__ in DEVICE_ERRORS or NO_DRIVER in str(error):
             return None
         return f"{type(error).__name__}: {error}"
     return None

@@ -30,7 +30,10 @@ bucket) does then; it writes what it saw, one JSON object per round, to
   (``init(on_peer_loss="abort")``), and ``grow(1)``: a new process, started as this
   program again (its ``init()`` joins), takes world rank 1; every rank of the grown
   communicator, the newcomer too, runs an all_reduce of host and stand-in device arrays
-  and writes ``DIR/grown-<world rank>.json``.
+  and writes ``DIR/grown-<world rank>.json``;
+- ``grow-gpus``: as ``grow-device`` without the refusals, on a node whose 4 stand-in GPUs
+  every rank sees; the program picks its own GPU (3 - its world rank), a newcomer leaves
+  it to cupycomm.
 
 A victim never ends by raising: under ULFM its MPI_Finalize would wait for ever (mpi4py's
 own ULFM tests kill instead).
@@ -177,10 +180,12 @@ def grown_round(comm, directory, xp, seen):
     if xp is not np:
         from cupycomm.testing import standin
         standin.join_world(comm.mpi_comm)   # real NCCL meets over sockets, not MPI's world
+        comm.device.use()
         device = comm.all_reduce(xp.asarray(np.full(3, me + 1.0)))
         nccl = comm.parts.router.device._comm
         seen["device"] = {"result": xp.asnumpy(device).tolist(), "size": nccl.size(),
-                          "rank": nccl.rank_id(), "id": nccl.unique_id.hex()}
+                          "rank": nccl.rank_id(), "id": nccl.unique_id.hex(),
+                          "gpu": comm.parts.router.device_id}
     with open(os.path.join(directory, "fault-1")) as f:
         seen["fault_to_good"] = good - float(f.read())
     seen.update(world_ranks=list(comm.world_ranks), rank=comm.rank, size=comm.size,
@@ -199,9 +204,13 @@ def _world_ranks(mpi_comm):
 def main(case: str, directory: str) -> None:
     options = {}
     xp = np
-    if case.startswith("device") or case == "grow-device":
+    if case.startswith("device") or case in ("grow-device", "grow-gpus"):
         from cupycomm.testing import standin
         options["device_module"] = xp = standin
+    if case == "grow-gpus":   # one node's GPUs, as NCCL sees them: a duplicate is refused
+        standin.SHARED_GPUS, standin.DEVICE_COUNT = True, 4
+        if "CUPYCOMM_JOIN" not in os.environ:
+            options["device"] = 3 - MPI.COMM_WORLD.Get_rank()
     progress(directory, "started")
     comm = cupycomm.init(on_peer_loss="raise", timeout=60, **options)
     if cupycomm.joined_late():   # started by the survivors' grow(1): world rank 1 again
@@ -209,6 +218,8 @@ def main(case: str, directory: str) -> None:
         grown_round(comm, directory, xp, {})
         comm.close()
         return
+    if xp is not np:
+        comm.device.use()
     comm.all_reduce(xp.asarray(np.ones(2)))   # on the device too: the NCCL communicator
     if case == "no-shrink":   # the survivors end after PeerLost, without going on
         if comm.rank == 1:
@@ -222,7 +233,10 @@ def main(case: str, directory: str) -> None:
     for victim in ((3, 1) if case == "two" else (1,)):
         comm, seen = survive(comm, case, directory, victim, xp)
         rounds.append(seen)
-    if case.startswith("grow"):
+    if case == "grow-gpus":
+        progress(directory, "growing")
+        grown_round(comm.grow(1), directory, xp, {})
+    elif case.startswith("grow"):
         comm, seen = grow(comm, directory, xp)
         grown_round(comm, directory, xp, seen)
     with open(os.path.join(directory, f"rank-{MPI.COMM_WORLD.Get_rank()}.json"), "w") as f:

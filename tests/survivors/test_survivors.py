@@ -170,6 +170,25 @@ def test_a_device_collective_that_a_dead_peer_blocks_goes_the_gpus_way(tmp_path)
 
 
 @needs_ulfm
+def test_grow_gives_the_newcomer_the_gpu_no_survivor_uses(tmp_path):
+    """Finding 11 of issue 32: on a node of 4 GPUs, world ranks 0-3 on GPUs 3, 2, 1, 0 (the
+    program's own choice); world rank 1 (GPU 2) killed, shrink, grow(1): the newcomer takes
+    GPU 2, the lost rank's, not GPU 1 by its local rank (rank 2's: NCCL refuses a duplicate
+    GPU, and on a real node it is a GPU in use); the device all_reduce of all 4 is right."""
+    job = run_case("grow-gpus", tmp_path)
+    grown = {}
+    for rank in range(4):
+        path = tmp_path / f"grown-{rank}.json"
+        assert path.exists(), f"world rank {rank} wrote nothing after grow:\n{job.output}"
+        grown[rank] = json.loads(path.read_text())
+    assert [grown[rank]["device"]["gpu"] for rank in range(4)] == [3, 2, 1, 0], grown
+    assert grown[1]["joined_late"] is True, grown
+    device = np.sum([np.full(3, r + 1.0) for r in range(4)], axis=0)
+    for rank, g in grown.items():
+        np.testing.assert_array_equal(g["device"]["result"], device)
+
+
+@needs_ulfm
 def test_grow_puts_a_new_process_in_the_lost_rank_s_place(tmp_path):
     """World rank 1 of 4 killed, shrink to (0, 2, 3), then grow(1): a new process (the same
     program, whose init() joins) takes world rank 1; on every rank of the grown

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from cupycomm.testing import standin as sd
 from cupycomm.backends.nccl import NcclBackend, nccl_module
 from cupycomm.faults import watchdog
-from arrays import in_new_thread
+from arrays import held_inside, in_new_thread
 
 
 def Tracker():
@@ -370,12 +370,36 @@ def test_set_device_makes_a_context_and_device_exit_always_sets_the_device_back(
     assert in_new_thread(set_once) == ({1}, 1)
     assert in_new_thread(lambda: (forget_mine(), sd.runtime.getDevice(), mine())) == (
         None, 0, set())
+
+    def bound():   # a new thread has no current context until a runtime call binds one
+        before = (sd.runtime.getDevice(), sd.cuda.driver.ctxGetCurrent())
+        sd.runtime.setDevice(1)
+        return before, sd.cuda.driver.ctxGetCurrent() != 0
+    assert in_new_thread(bound) == ((0, 0), True)
     assert 1 in sd.context_devices()
 
 
+# -- copies are kernels -----------------------------------------------------------------------------------
+def test_a_copy_between_device_arrays_is_a_kernel_on_the_current_stream():
+    """A copy runs when its stream gets there: on a stream still busy, not yet."""
+    held = sd.Stream(non_blocking=True, deferred=True)
+    x, y, flat = sd.asarray(np.zeros(2)), sd.asarray(np.ones(2)), sd.asarray(np.zeros(4))
+    with held:
+        x[...] = y
+        sd.concatenate([y, y], axis=None, out=flat)
+    assert held.log == ["copy", "concatenate"]
+    assert not x.get().any() and not flat.get().any()   # the stream has not got there
+    held.synchronize()
+    assert x.get().all() and flat.get().all()
+    sd.launch(held, lambda: x.__setitem__(Ellipsis, y * 2), "a kernel's own copy")
+    held.synchronize()
+    assert (x.get() == 2).all() and held.log[-1] == "a kernel's own copy"
+
+
 # -- one communicator, one thread at a time ---------------------------------------------------------------
-def test_one_communicator_is_not_used_from_two_threads_at_once():
-    """NCCL forbids concurrent use of one communicator; its group state is per thread."""
+def test_one_communicator_is_not_used_from_two_threads_at_once(monkeypatch):
+    """NCCL forbids concurrent host calls on one communicator (a thread inside a call, a
+    thread's open group holding one), nothing else; its group state is per thread."""
     comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
     x = sd.asarray(np.ones(2))
     held = sd.Stream(non_blocking=True, deferred=True)
@@ -383,10 +407,18 @@ def test_one_communicator_is_not_used_from_two_threads_at_once():
     def all_reduce(stream):
         return lambda: comm.allReduce(x.data.ptr, x.data.ptr, 2, 8, 0, stream.ptr)
     all_reduce(held)()                                    # in flight
-    refused = in_new_thread(all_reduce(sd.Stream.null))
+    assert in_new_thread(all_reduce(sd.Stream.null)) is None   # handed over all the same
+    real = comm._enqueue
+    inside, release = held_inside(monkeypatch, comm, "_enqueue")
+    launcher = threading.Thread(target=all_reduce(sd.Stream.null))
+    launcher.start()
+    inside.wait(10)
+    monkeypatch.setattr(comm, "_enqueue", real)
+    refused = in_new_thread(all_reduce(sd.Stream.null))   # while that one is inside
     assert isinstance(refused, sd.NcclError) and "second thread" in str(refused)
-    held.synchronize()
-    assert in_new_thread(all_reduce(sd.Stream.null)) is None   # handed over once completed
+    assert in_new_thread(comm.check_async_error) is None  # made to be asked meanwhile
+    release.set()
+    launcher.join()
     sd.groupStart()
     all_reduce(held)()                                    # in this thread's open group
     assert in_new_thread(sd._open_group) is None          # not another thread's
@@ -400,14 +432,7 @@ def test_one_communicator_is_not_used_from_two_threads_at_once():
 def test_abort_while_another_thread_is_inside_a_launch_is_refused(monkeypatch):
     comm = sd.NcclCommunicator(1, sd.get_unique_id(), 0)
     x = sd.asarray(np.ones(2))
-    inside, release = threading.Event(), threading.Event()
-    real = comm._enqueue
-
-    def slow(*args):
-        inside.set()
-        release.wait(10)
-        real(*args)
-    monkeypatch.setattr(comm, "_enqueue", slow)
+    inside, release = held_inside(monkeypatch, comm, "_enqueue")
     launcher = threading.Thread(target=comm.allReduce, args=(x.data.ptr, x.data.ptr, 2, 8, 0, 0))
     launcher.start()
     inside.wait(10)
