@@ -318,6 +318,7 @@ def test_nccl_paths_run_in_groups_on_each_devices_current_stream(standin, monkey
         sd.launch(producer, lambda: x.__setitem__(Ellipsis, x * 10), "scale")
         copies = devices.broadcast(x, [0, 1, 2], device_module=sd)
         assert "nccl broadcast" in producer.log
+    producer.synchronize()   # (device 0's copy is on it: the null stream is not ordered with it)
     for copy, place in zip(copies, [0, 1, 2]):
         standin.check(copy, np.arange(4.0) * 10, place)
     total = devices.reduce_add(copies, destination=1, device_module=sd)
@@ -352,7 +353,7 @@ def test_parallel_apply_runs_on_a_side_stream_between_events(standin):
         worker = seen[0]
         assert worker is not producer and worker.device_id == 0
         assert worker.log[0].startswith("wait") and producer.log[-1].startswith("wait")
-    standin.check(out, np.full(4, 6.0), 0)
+        standin.check(out, np.full(4, 6.0), 0)   # on producer, which waits for fn's work
 
 
 def test_nccl_failure_is_a_named_error(standin, monkeypatch):
