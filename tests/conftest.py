@@ -97,8 +97,8 @@ def _shared(lib, request):
     passed = []
     release(request, shared, lambda: passed.append(True))
     if passed:
-        # the test's device work is part of it: a busy GPU may still run a non-root's send,
-        # which the next test's peer would otherwise wait for on the stand-in
+        # the test's device work is part of it (a non-root's gather send may still be queued:
+        # the stand-in's streams progress only when the host waits, a GPU's on their own)
         lib.synchronize()
         _shared_comm[key] = shared
 
