@@ -1714,8 +1714,8 @@ class _Clique:
         planned: dict = {}
         positions = []
         for stream in streams:   # where each member's piece of work will sit in its stream
-            planned[stream.ptr] = planned.get(stream.ptr, stream.enqueued) + 1
-            positions.append(planned[stream.ptr])
+            planned[id(stream)] = planned.get(id(stream), stream.enqueued) + 1   # (not ptr:
+            positions.append(planned[id(stream)])   # each device's null stream is handle 0)
         done = []
 
         def arrive():

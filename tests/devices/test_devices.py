@@ -2,6 +2,7 @@
 references, on host places ("cpu"), on four stand-in devices (the NCCL and copy paths, their
 streams and events) and on the GPUs of the machine when it has some; every bad input; the
 one-process example. Per-process calls: under mpiexec each rank runs them on its own."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -562,3 +563,18 @@ def test_gpu_a_slow_kernel_before_the_call_is_seen():
         value = value * np.float32(0.5) + np.float32(1)
     np.testing.assert_array_equal(back, np.full(back.shape, value, np.float32))
     np.testing.assert_allclose(got, np.full(got.shape, value * len(targets)), rtol=1e-6)
+
+
+def test_a_sum_after_a_broadcast_sees_it_on_every_devices_null_stream(standin):
+    """Each device's null stream is handle 0, with work of its own queued: a group's member
+    takes its place in its own device's stream (the stand-in kept one count for handle 0)."""
+    x = np.arange(4.0)
+    with contextlib.ExitStack() as held:
+        for device in (0, 1):
+            with sd.Device(device):
+                null = held.enter_context(sd.deferred(sd.Stream.null.queue()))
+                for _ in range(3 * (1 - device)):   # device 0's stream is further on
+                    sd.launch(null, lambda: None, "earlier work")
+        copies = devices.broadcast(x, [0, 1], device_module=sd)
+        total = devices.reduce_add(copies, "cpu", device_module=sd)
+    standin.check(total, x * 2, "cpu")
