@@ -104,8 +104,9 @@ def test_a_wrong_result_on_one_rank_fails_the_line_naming_that_rank(monkeypatch,
 
     def wrong_on_the_last_rank(self, buff, count, datatype, root, stream):
         real(self, buff, count, datatype, root, stream)
-        if standin_comm.rank == last:
-            sd._view(buff, count, datatype, "test")[...] = 7
+        if standin_comm.rank == last:   # after the broadcast, in its stream's order
+            result = sd._view(buff, count, datatype, "test")
+            sd.launch(sd.Stream.from_ptr(stream), lambda: result.__setitem__(Ellipsis, 7))
     monkeypatch.setattr(sd.NcclCommunicator, "bcast", wrong_on_the_last_rank)
     found = quick_report(standin_comm)
     line = next(line for line in found["lines"] if line["name"] == "broadcast float32"

@@ -67,6 +67,7 @@ def test_messages_between_two_ranks_keep_their_order(lib, comm):
         works = [comm.send(lib.array(np.full(4, i, np.int64)), 1, async_op=True) for i in range(5)]
         for work in works:
             work.wait()
+        lib.synchronize()   # (before the barrier: the stand-in's busy streams send only then)
     elif comm.rank == 1:
         for i in range(5):
             assert_equal(lib, comm.recv(lib.empty(4, np.int64), 0), np.full(4, i, np.int64))

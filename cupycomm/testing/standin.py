@@ -13,7 +13,8 @@ a GPU. Only CUDA and NCCL are stood in:
   that another stream waits on): a missing event wait in the backend then shows up as stale
   data, exactly as on a GPU. ``CUPYCOMM_STANDIN_DEFER_ALL=1`` makes every stream deferred
   (and a query of a stream's progress from the main thread lets it get one step further,
-  as a busy GPU does). Stand-in kernels (NumPy operations) still run at once.
+  as a busy GPU does). Stand-in kernels (assignments, copies, ``concatenate``, NumPy's ufuncs
+  on device arrays) keep their stream's order (rule 6).
 - ``cuda.nccl.NcclCommunicator`` has CuPy's signatures (pointers, counts, NCCL datatypes,
   stream pointers) and does the work with MPI on host memory. Its unique id names the rank
   that made it; the members meet there over MPI (as NCCL's bootstrap meets at the address
@@ -40,6 +41,11 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
    [cudaStreamEndCapture: cudaErrorStreamCaptureUnjoined].
 6. Streams are unordered without events: deferred streams, ``CUPYCOMM_STANDIN_DEFER_ALL``
    [CUDA Programming Guide, streams: only events and the legacy stream order two streams].
+   The stand-in's own kernels are the current stream's: an assignment, ``copy`` or
+   ``concatenate`` queues behind the stream's earlier work, a ufunc first lets the stream get
+   past it; a host copy (``asnumpy``, ``get``) waits for the current stream of the array's
+   device [CuPy v14.2.0 ``cupy/_core/core.pyx``: kernels launch on the current stream;
+   ``get`` copies on it with the array's device current, then synchronizes it].
 7. Freed memory goes back to the pool of the stream current at its allocation, is poisoned
    in that stream's order and may then be reused by that stream at once [CuPy's
    ``MemoryPool``: per-stream arenas, stream-ordered reuse].
@@ -147,12 +153,6 @@ The rules it enforces where cupycomm depends on them, each broken on purpose by 
     default since 2.22, defers the transport setup from ncclCommInitRank to the first
     launch; ``transport.cc`` ncclTransportP2pSetup waits for the peer's side there, polling
     the communicator's abort flag].
-25. A copy between device arrays that a caller makes (``x[...] = y``, ``concatenate(out=)``:
-    packs, unpacks, the parts of a list) is a kernel on the current stream of the current
-    device: it reads and writes when that stream gets there, unordered with other streams
-    (a fill from a host value still runs at once) [CuPy ``_core/core.pyx``
-    ``ndarray.__setitem__`` and ``_core/_routines_manipulation.pyx`` concatenate: elementwise
-    kernels launched on ``get_current_stream()``; CUDA Programming Guide, streams].
 
 ``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
 so a benchmark can time the backend's own Python cost.
@@ -261,16 +261,34 @@ class ndarray(np.ndarray):
         return _Pointer(self.__array_interface__["data"][0])
 
     def get(self) -> np.ndarray:
-        """cupy.ndarray.get: a host copy."""
-        return np.array(self.view(np.ndarray))
+        """cupy.ndarray.get: a host copy, after the current stream's work (see asnumpy)."""
+        return asnumpy(self)
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """NumPy's ufuncs on device arrays (arithmetic, comparisons, reductions): computed at
+        once, after the current stream's queued work (rule 6)."""
+        _caught_up()
+        out = kwargs.get("out")
+        if out is not None:
+            kwargs["out"] = tuple(_plain(o) for o in out)
+        result = getattr(ufunc, method)(*[_plain(x) for x in inputs], **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        if isinstance(result, tuple):
+            return tuple(_device_result(r) for r in result)
+        return _device_result(result)
+
+    def copy(self, order: str = "C") -> "ndarray":  # type: ignore[override]
+        """cupy.ndarray.copy: a new array, written by a copy kernel on the current stream."""
+        out = empty(self.shape, self.dtype)
+        source = self.view(np.ndarray)
+        _kernel(lambda: np.copyto(out.view(np.ndarray), source), "copy")
+        return out
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        """A copy from a device array is a kernel on the current stream (rule 25)."""
-        if isinstance(value, ndarray):
-            target, source = self.view(np.ndarray), value.view(np.ndarray)
-            _copy_kernel(lambda: target.__setitem__(key, source), "copy")
-        else:
-            super().__setitem__(key, value)
+        """A copy kernel on the current stream (rule 6)."""
+        host = value if isinstance(value, ndarray) else np.array(value)   # copied at the call
+        _kernel(lambda: np.ndarray.__setitem__(self, key, host), "copy")
 
 
 def getDevice() -> int:
@@ -394,20 +412,74 @@ def asarray(a: Any, dtype: Any = None) -> ndarray:
 
 
 def concatenate(arrays: Any, axis: Optional[int] = 0, out: Optional[ndarray] = None) -> ndarray:
-    """cupy.concatenate: a new device array, or ``out`` (one kernel on a GPU)."""
-    parts = [np.asarray(a).view(np.ndarray) for a in arrays]
-    if out is not None:
-        target = out.view(np.ndarray)
-        _copy_kernel(lambda: np.concatenate(parts, axis, out=target), "concatenate")
-        return out
-    return _register(np.concatenate(parts, axis))
+    """cupy.concatenate: a new device array, or ``out``: one kernel on the current stream
+    (rule 6)."""
+    parts = [a.view(np.ndarray) if isinstance(a, ndarray) else np.array(a) for a in arrays]
+    if out is None:
+        shape = np.concatenate(parts, axis)   # (its shape and dtype: the kernel writes it)
+        out = empty(shape.shape, shape.dtype)
+    target = out.view(np.ndarray)
+    _kernel(lambda: np.concatenate(parts, axis, out=target), "concatenate")
+    return out
+
+
+def _plain(a: Any) -> Any:
+    return a.view(np.ndarray) if isinstance(a, ndarray) else a
+
+
+def _device_result(result: Any) -> Any:
+    """A ufunc's new array as a device array of the current device (scalars stay scalars)."""
+    if not isinstance(result, np.ndarray):
+        return result
+    _track(result)
+    device_array = result.view(ndarray)
+    device_array._device_id = Device.current_id()
+    return device_array
+
+
+def _caught_up() -> None:
+    """Before a stand-in kernel that computes at once: the current stream gets past its
+    queued work (a legal order of that stream; the host waits where a GPU would queue)."""
+    if getattr(_working, "depth", 0):
+        return
+    stream = _resolved(get_current_stream())
+    if stream.capture is None and (stream.executed < stream.enqueued or stream.outstanding):
+        with _asynchronous():
+            stream.run_until(stream.enqueued)
+
+
+def _kernel(run: Callable[[], Any], name: str) -> None:
+    """A stand-in kernel (a NumPy operation on device arrays) on the current stream: queued
+    behind work the stream has not run yet, else run at once (rule 6); at once too inside a
+    stream's work (it is that work) and in a capture."""
+    stream = _resolved(get_current_stream())
+    if (not getattr(_working, "depth", 0) and stream.capture is None
+            and (stream.executed < stream.enqueued or stream.outstanding)):
+        def queued() -> None:
+            run()
+        stream.enqueue(queued, name)
+    else:
+        run()
 
 
 def asnumpy(a: Any) -> np.ndarray:
-    """A host copy; like CuPy's, it first waits for the current stream's work."""
+    """A host copy, as CuPy's ``ndarray.get`` makes it: on the current stream (handle 0
+    meaning the null stream of the array's device, which CuPy makes current for the copy),
+    after that stream's work (and, on the legacy null stream, after the blocking streams'
+    of that device: rule 16) [CuPy v14.2.0 ``cupy/_core/core.pyx``, ``get``:
+    ``copy_to_host_async`` on the current stream, then ``stream.synchronize()``]."""
     stream = get_current_stream()
-    _runtime_call("cudaMemcpy", unsafe=True, capturing=stream.capture)
-    stream.run_until(stream.enqueued)
+    previous = Device.current_id()
+    if isinstance(a, ndarray) and a._device_id != previous:
+        setDevice(a._device_id)
+    try:
+        queue = _resolved(stream)
+        _runtime_call("cudaMemcpy", unsafe=True, capturing=queue.capture)
+        queue.run_until(queue.enqueued)
+        queue._legacy_ordered(lambda: None)()
+    finally:
+        if Device.current_id() != previous:
+            setDevice(previous)
     return np.array(np.asarray(a).view(np.ndarray) if isinstance(a, np.ndarray) else a)
 
 
@@ -442,21 +514,7 @@ class _Stalled(Exception):
 
 
 _stalls = threading.local()   # depth: inside how many asynchronous calls this thread is
-_kernels = threading.local()  # depth: inside how many pieces of stream work this thread runs
-
-
-def _copy_kernel(copy: Callable[[], Any], name: str) -> None:
-    """A copy between device arrays made by a caller (an assignment, ``concatenate(out=)``):
-    a kernel on the current stream of the current device, which reads and writes when that
-    stream gets there (rule 25); inside a piece of stream work (the stand-in's own) it runs
-    there and then."""
-    if getattr(_kernels, "depth", 0):
-        copy()
-        return
-
-    def kernel() -> None:
-        copy()
-    _resolved(get_current_stream()).enqueue(kernel, name)
+_working = threading.local()  # depth: inside how many pieces of streams' work this thread is
 
 
 @contextlib.contextmanager
@@ -561,8 +619,7 @@ class Stream:
                     break
                 op = self.pending.pop(0)
                 self.executed += 1
-                depth = getattr(_kernels, "depth", 0)
-                _kernels.depth = depth + 1
+                _working.depth = getattr(_working, "depth", 0) + 1
                 try:
                     self.outstanding = op() or []
                 except _Stalled:   # it runs again when the kernel it waits for has ended
@@ -570,7 +627,7 @@ class Stream:
                     self.executed -= 1
                     raise
                 finally:
-                    _kernels.depth = depth
+                    _working.depth -= 1
             if complete:
                 self._complete()
 
@@ -1661,6 +1718,7 @@ def deferred(stream: Stream):
 #   otherwise); groupEnd matches the k-th call of every member into one collective, which is one
 #   piece of work on every member's stream. The first stream to get there runs the other
 #   members' streams up to theirs (each NCCL kernel waits for its peers), then moves the data.
+#   Stream handles 0 and 2 are each member's device's default streams (see _stream_on).
 # ==================================================================================================
 def _check_stream_device(stream: Stream) -> None:
     if stream.device_id not in (-1, Device.current_id()):
@@ -1765,8 +1823,10 @@ def _deviceEnsurePeerAccess(peerDevice: int) -> None:
 class _Call:
     """One member's NCCL call: what it is, the arguments every member must agree on, its buffers."""
 
-    def __init__(self, kind: str, key: tuple, stream: int, send: Any, recv: Any) -> None:
+    def __init__(self, kind: str, key: tuple, stream: int, send: Any, recv: Any,
+                 device: int) -> None:
         self.kind, self.key, self.stream, self.send, self.recv = kind, key, stream, send, recv
+        self.device = device
 
 
 class _Clique:
@@ -1791,12 +1851,12 @@ class _Clique:
 
     @staticmethod
     def _enqueue(members: tuple) -> None:
-        streams = [Stream.from_ptr(m.stream) for m in members]
+        streams = [_stream_on(m.stream, m.device) for m in members]
         planned: dict = {}
         positions = []
         for stream in streams:   # where each member's piece of work will sit in its stream
-            planned[stream.ptr] = planned.get(stream.ptr, stream.enqueued) + 1
-            positions.append(planned[stream.ptr])
+            planned[id(stream)] = planned.get(id(stream), stream.enqueued) + 1   # (not ptr:
+            positions.append(planned[id(stream)])   # each device's null stream is handle 0)
         done = []
 
         def arrive():
@@ -1809,6 +1869,19 @@ class _Clique:
                 _LOCAL_COLLECTIVES[members[0].kind](members)
         for stream in streams:
             stream.enqueue(arrive, f"nccl {members[0].kind}")
+
+
+def _stream_on(handle: int, device: int) -> Stream:
+    """The stream ``handle`` means for a communicator of ``device``: NCCL launches each
+    communicator's kernels with its device current, so handles 0 and 2 are that device's
+    default streams [NCCL ``src/group.cc``, doLaunches: cudaSetDevice(comm->cudaDev) before
+    each communicator's ncclLaunchPrepare]."""
+    previous = Device.current_id()
+    Device._local.id = device
+    try:
+        return Stream.from_ptr(handle)
+    finally:
+        Device._local.id = previous
 
 
 def _local_broadcast(members: tuple) -> None:
@@ -1866,7 +1939,8 @@ class LocalNcclCommunicator:
         if _open_group() is None:
             raise NcclError(f"stand-in: {kind} on one of several communicators of this process "
                             f"outside groupStart()/groupEnd(): NCCL would deadlock", status=5)
-        self._clique.calls[self._rank].append(_Call(kind, key, stream, send, recv))
+        self._clique.calls[self._rank].append(_Call(kind, key, stream, send, recv,
+                                                    self.device_id()))
         if self._clique not in _open_cliques:
             _open_cliques.append(self._clique)
 

@@ -29,6 +29,7 @@ def test_sync_collective_runs_on_the_caller_stream_then_records_the_watchdogs_ev
         dcomm.all_reduce(x)
     assert caller.log == ["nccl allReduce", f"record {dcomm.parts.router.device._finished.name}"]
     assert len(dcomm.parts.router.device.stream.log) == before
+    caller.synchronize()   # (the host never waited: on a busy GPU x is not summed yet)
     assert_equal(STANDIN, x, np.full(4, float(dcomm.size)))
 
 
@@ -44,6 +45,7 @@ def test_the_watchdogs_one_event_covers_earlier_calls_on_other_streams(dcomm):
     assert backend.has_pending_work()
     with free:
         dcomm.all_reduce(y)
+    free.synchronize()   # (on a busy GPU it is not done before)
     assert not backend.has_pending_work() and not held.pending
     assert_equal(STANDIN, x, np.full(2, float(dcomm.size)))
     assert_equal(STANDIN, y, np.full(3, float(dcomm.size)))
@@ -236,7 +238,7 @@ def test_reduce_scatter_of_a_list_copies_its_parts_where_the_collective_runs(mon
     """Finding 10 of issue 32: the parts are copied into one array on the communicator's
     device, on the stream the collective runs on (its device's current stream, or
     ``stream=``), whatever device is current: kernels there that wrote the parts first are
-    seen (stand-in rule 25: a copy is a kernel on the current stream)."""
+    seen (stand-in rule 6: a copy is a kernel on the current stream)."""
     monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
     monkeypatch.setattr(sd.Device._local, "id", sd.Device.current_id(), raising=False)
     with STANDIN.comm(device=1) as comm:
@@ -575,7 +577,9 @@ def test_an_abort_waits_for_a_launch_in_progress(dcomm, monkeypatch):
     watcher.join()
     aborter.join()
     assert failures == [] and backend._aborted == "a test"
-    assert_equal(STANDIN, x, np.full(2, float(dcomm.size)))
+    # the whole launch ran before the abort (the kernel's result is undefined after it: on a
+    # busy GPU it had not run)
+    assert sd.Stream.null.log[-2:] == ["nccl allReduce", f"record {backend._finished.name}"]
     with pytest.raises(cupycomm.NcclError, match="was aborted"):
         dcomm.all_reduce(x)
 

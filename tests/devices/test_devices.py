@@ -2,6 +2,7 @@
 references, on host places ("cpu"), on four stand-in devices (the NCCL and copy paths, their
 streams and events) and on the GPUs of the machine when it has some; every bad input; the
 one-process example. Per-process calls: under mpiexec each rank runs them on its own."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -318,6 +319,7 @@ def test_nccl_paths_run_in_groups_on_each_devices_current_stream(standin, monkey
         sd.launch(producer, lambda: x.__setitem__(Ellipsis, x * 10), "scale")
         copies = devices.broadcast(x, [0, 1, 2], device_module=sd)
         assert "nccl broadcast" in producer.log
+    producer.synchronize()   # (device 0's copy is on it: the null stream is not ordered with it)
     for copy, place in zip(copies, [0, 1, 2]):
         standin.check(copy, np.arange(4.0) * 10, place)
     total = devices.reduce_add(copies, destination=1, device_module=sd)
@@ -352,7 +354,7 @@ def test_parallel_apply_runs_on_a_side_stream_between_events(standin):
         worker = seen[0]
         assert worker is not producer and worker.device_id == 0
         assert worker.log[0].startswith("wait") and producer.log[-1].startswith("wait")
-    standin.check(out, np.full(4, 6.0), 0)
+        standin.check(out, np.full(4, 6.0), 0)   # on producer, which waits for fn's work
 
 
 def test_nccl_failure_is_a_named_error(standin, monkeypatch):
@@ -561,3 +563,18 @@ def test_gpu_a_slow_kernel_before_the_call_is_seen():
         value = value * np.float32(0.5) + np.float32(1)
     np.testing.assert_array_equal(back, np.full(back.shape, value, np.float32))
     np.testing.assert_allclose(got, np.full(got.shape, value * len(targets)), rtol=1e-6)
+
+
+def test_a_sum_after_a_broadcast_sees_it_on_every_devices_null_stream(standin):
+    """Each device's null stream is handle 0, with work of its own queued: a group's member
+    takes its place in its own device's stream (the stand-in kept one count for handle 0)."""
+    x = np.arange(4.0)
+    with contextlib.ExitStack() as held:
+        for device in (0, 1):
+            with sd.Device(device):
+                null = held.enter_context(sd.deferred(sd.Stream.null.queue()))
+                for _ in range(3 * (1 - device)):   # device 0's stream is further on
+                    sd.launch(null, lambda: None, "earlier work")
+        copies = devices.broadcast(x, [0, 1], device_module=sd)
+        total = devices.reduce_add(copies, "cpu", device_module=sd)
+    standin.check(total, x * 2, "cpu")

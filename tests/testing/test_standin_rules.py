@@ -341,6 +341,36 @@ def test_freed_memory_is_poisoned_in_its_streams_order_and_reused_by_that_stream
         assert sd.empty(4).data.ptr == address           # this stream's, at once
 
 
+# -- the stand-in's own kernels in stream order (rule 6) ----------------------------------------------
+def test_the_standins_own_kernels_run_in_their_streams_order():
+    """An assignment, a copy, a concatenate and arithmetic on device arrays are kernels of the
+    current stream: they see what that stream's earlier work wrote, however late it runs."""
+    stream = sd.Stream(non_blocking=True)
+    x, y = sd.asarray(np.zeros(2)), sd.asarray(np.zeros(2))
+    with stream, sd.deferred(stream):
+        sd.launch(stream, lambda: x.view(np.ndarray).__setitem__(Ellipsis, 7.0), "write x")
+        y[...] = x                                   # queued behind "write x"
+        copied, joined = x.copy(), sd.concatenate([x, x])
+        assert (y.view(np.ndarray) == 0).all()       # nothing ran yet
+        doubled = x * 2                              # computed now: after "write x"
+    stream.synchronize()
+    assert (doubled.view(np.ndarray) == 14).all()
+    for array in (y, copied, joined):
+        assert (array.view(np.ndarray) == 7).all()
+
+
+def test_a_host_copy_waits_for_the_arrays_devices_stream(monkeypatch):
+    """CuPy's ndarray.get makes the array's device current for the copy: the null stream (the
+    current stream of a thread that entered none) is that device's [cupy/_core/core.pyx]."""
+    monkeypatch.setattr(sd, "DEVICE_COUNT", 2)
+    with sd.Device(1):
+        x = sd.asarray(np.zeros(2))
+        with sd.deferred(sd.Stream.null.queue()):
+            sd.launch(sd.Stream.null, lambda: x.view(np.ndarray).__setitem__(Ellipsis, 3.0))
+    with sd.Device(0):
+        assert (sd.asnumpy(x) == 3).all()
+
+
 # -- CUDA contexts ----------------------------------------------------------------------------------------
 def test_set_device_makes_a_context_and_device_exit_always_sets_the_device_back(monkeypatch):
     """cudaSetDevice creates its device's primary context (CUDA 12); CuPy's Device.__exit__
