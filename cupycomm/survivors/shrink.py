@@ -1,7 +1,12 @@
 """``comm.shrink()``: the survivors' communicator, after a peer was lost.
 
 On MPI: revoke, agree on who is gone and shrink (:meth:`.state.Survival.successor`, ULFM's
-``MPI_Comm_shrink``). On the device: the old NCCL communicator is aborted on every survivor,
+``MPI_Comm_shrink``), then agree that every survivor stands at the same call: where a call
+that the loss broke completed on some survivors and raised PeerLost on others, they have
+issued different numbers of calls since their last ``comm.agree`` and the shrink is
+refused on every survivor alike (RuntimeError, naming ``comm.agree`` and
+``cupycomm.resilient``), never handed to a program that would redo different steps. On the
+device: the old NCCL communicator is aborted on every survivor,
 never destroyed (after an abortive shrink NCCL >= 2.31 hangs in ncclCommDestroy,
 pytorch#194679; CuPy 14 has neither ncclCommShrink nor ncclCommRevoke), and the successor
 makes a new one from a fresh unique id broadcast over the shrunk MPI communicator, on the
@@ -45,7 +50,7 @@ def _successor(comm: "Communicator", survival: "Survival") -> "Communicator":
     from ..communicator import Communicator
     router = comm.parts.router
     had_device = router.device is not None
-    successor = survival.successor()
+    successor = survival.successor("shrink")
     exit_records.note_survived(survival.lost or ())   # cupycomm.run: the program recovered
     retire(comm, survival)
     shrunk = Communicator.create(successor, name=f"{comm.name}-shrunk", timeout=comm.timeout,
