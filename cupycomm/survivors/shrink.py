@@ -20,6 +20,7 @@ Example (4 ranks, world rank 1 killed)::
         comm.all_reduce(x)
     except cupycomm.PeerLost as lost:    # lost.ranks == (1,) on ranks 0, 2 and 3
         comm = comm.shrink()             # 3 ranks; comm.world_ranks == (0, 2, 3)
+                                         # (RuntimeError if one's all_reduce completed)
 """
 from __future__ import annotations
 

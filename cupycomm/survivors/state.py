@@ -122,8 +122,9 @@ class Survival:
 
     def agree(self, flag: bool) -> bool:
         """ULFM's agreement: the AND of ``flag`` over the survivors, the same on each, also
-        after a loss (see :func:`_agreed`). The survivors stand at the same call after it
-        (what :meth:`successor` checks)."""
+        after a loss (the failures known are acknowledged first; one noticed meanwhile is
+        raised on every survivor alike, acknowledged, and the agreement made again). The
+        survivors stand at the same call after it (what :meth:`successor` checks)."""
         agreed = bool(_agreed(self._mpi, int(bool(flag)), len(self.world_ranks)))
         self._agreed_at = self._calls()
         return agreed
@@ -153,10 +154,10 @@ class Survival:
                 f"{getattr(tracker, 'name', '?')}: a call that the loss broke completed on "
                 f"some and raised PeerLost on others, so redoing the step that raised would "
                 f"redo different steps (world rank {self.world_ranks[self._mpi.Get_rank()]} "
-                f"has issued {calls} call(s) since the last comm.agree(), not every survivor "
-                f"as many). Agree first, on every survivor, whether the step counts "
-                f"(comm.agree(done), then {call}() and redo the same step), or use "
-                f"cupycomm.resilient(); the communicator was not replaced")
+                f"has issued {calls} call(s) on it since its start or the last comm.agree(), "
+                f"not every survivor as many). Agree first, on every survivor, whether the "
+                f"step counts (comm.agree(done), then {call}() and redo the same step), or "
+                f"use cupycomm.resilient(); the communicator was not replaced")
         return successor
 
     def revoke(self) -> None:
