@@ -489,7 +489,9 @@ class Communicator:
         """The survivors' communicator, after a PeerLost (host and device; world ranks kept:
         :attr:`world_ranks`); collective over the survivors. This one, its subgroups and
         buckets refuse every call from then on (:class:`~cupycomm.errors.CommShrunkError`).
-        Needs ``init(on_peer_loss="raise")``. See :mod:`cupycomm.survivors.shrink`.
+        Needs ``init(on_peer_loss="raise")``. RuntimeError on every survivor, this one kept,
+        where they stand at different calls (agree first: :meth:`agree`). See
+        :mod:`cupycomm.survivors.shrink`.
 
         Example (4 ranks, world rank 1 killed)::
 

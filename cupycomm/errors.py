@@ -48,15 +48,24 @@ class PeerLost(NcclError):
 
     On the device: a peer died while this rank's device collectives waited for it, and the
     NCCL communicator was aborted. With ``init(on_peer_loss="raise")`` (see
-    :mod:`cupycomm.survivors`), also on the host: every survivor of the communicator raises it
-    from the collective that the loss broke (or the next one), alike, and may then
+    :mod:`cupycomm.survivors`), also on the host: every survivor raises it, from the call
+    on the communicator that the loss broke on it or from a later one, and may then
     ``comm.shrink()`` and go on; in the default mode host collectives end the job instead.
 
+    What is the same on every survivor: that it raises PeerLost from some call, and what
+    ``comm.shrink()`` agrees (the survivors' communicator, hence the lost ranks). What is
+    not: the call. A collective that the loss broke may complete on some survivors and
+    raise on others, which then raise from their next call; a program that redoes "the step
+    that raised" would redo different steps, so ``shrink()`` refuses on every survivor
+    (RuntimeError) where they stand at different calls. Agree first whether the step counts
+    (``comm.agree``), or use :func:`cupycomm.resilient`, which does.
+
     ``ranks`` are the lost ranks in the numbering of the job's world (a sorted tuple; empty
-    where unknown), ``call`` the collective's name and ``seq`` its sequence number on the
-    communicator (-1 where unknown), on the host and on the device alike (there: the
-    ranks the watchdog saw die; for a refused call, the number it would have had). It
-    subclasses NcclError, which the device side raised first.
+    where unknown), those this rank knew of when it raised; ``call`` the collective's name
+    and ``seq`` its sequence number on the communicator (-1 where unknown), on the host and
+    on the device alike (there: the ranks the watchdog saw die; for a refused call, the
+    number it would have had). It subclasses NcclError, which the device side raised
+    first.
     """
 
     def __init__(self, message: str, *, ranks: Tuple[int, ...] = (), call: str = "",

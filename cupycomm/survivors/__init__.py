@@ -2,9 +2,11 @@
 
 With ``cupycomm.init(on_peer_loss="raise")`` (the default "abort" ends the job, as always),
 a collective that a lost rank would block raises :class:`~cupycomm.errors.PeerLost` on every
-survivor alike (its ``ranks`` in world numbering, the ``call`` and its ``seq``); then
+survivor (its ``ranks`` in world numbering, the ``call`` and its ``seq``), not always from
+the same call: one that the loss broke may complete on some survivors first. Then
 ``comm.agree(flag)`` (a fault-tolerant AND over the survivors), ``comm.failed_ranks()`` and
-``comm.shrink()`` (the survivors' communicator, host and device) let the program go on. It
+``comm.shrink()`` (the survivors' communicator, host and device; refused on every survivor
+where they stand at different calls) let the program go on. It
 needs MPI's ULFM: Open MPI 5 started with ``mpiexec --with-ft ulfm --mca btl tcp,self``;
 elsewhere ``init`` refuses (:mod:`.policy`).
 
@@ -22,7 +24,10 @@ Example (4 ranks under ``mpiexec --with-ft ulfm --mca btl tcp,self``, one killed
     comm = cupycomm.init(on_peer_loss="raise")
     try:
         comm.all_reduce(x)
+        done = True
     except cupycomm.PeerLost as lost:
+        done = False
+    if not comm.agree(done):    # the same answer on every survivor
         comm = comm.shrink()    # the 3 survivors; comm.world_ranks keeps the job's numbers
         comm = comm.grow(1)     # optional: a new process takes world rank 1 again
 

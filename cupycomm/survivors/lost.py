@@ -5,8 +5,8 @@ The host backend's calls, a Work's wait and the object collectives catch ``MPI.E
 :func:`peer_lost`, which raises PeerLost where the communicator is one of a process that
 survives losses (:mod:`.policy`) and the error is one of ULFM's (ERR_PROC_FAILED,
 ERR_PROC_FAILED_PENDING, ERR_REVOKED); otherwise it returns and the caller re-raises the
-MPI error as before. What it does first (revoke, agree on who is gone) is
-:meth:`.state.Survival.lose`'s.
+MPI error as before. What it does first (revoke, abort the NCCL communicator; nothing
+collective) is :meth:`.state.Survival.lose`'s.
 
 Example (what a host call does)::
 

@@ -1,7 +1,12 @@
 """``comm.shrink()``: the survivors' communicator, after a peer was lost.
 
 On MPI: revoke, agree on who is gone and shrink (:meth:`.state.Survival.successor`, ULFM's
-``MPI_Comm_shrink``). On the device: the old NCCL communicator is aborted on every survivor,
+``MPI_Comm_shrink``), then agree that every survivor stands at the same call: where a call
+that the loss broke completed on some survivors and raised PeerLost on others, they have
+issued different numbers of calls since their last ``comm.agree`` and the shrink is
+refused on every survivor alike (RuntimeError, naming ``comm.agree`` and
+``cupycomm.resilient``), never handed to a program that would redo different steps. On the
+device: the old NCCL communicator is aborted on every survivor,
 never destroyed (after an abortive shrink NCCL >= 2.31 hangs in ncclCommDestroy,
 pytorch#194679; CuPy 14 has neither ncclCommShrink nor ncclCommRevoke), and the successor
 makes a new one from a fresh unique id broadcast over the shrunk MPI communicator, on the
@@ -15,6 +20,7 @@ Example (4 ranks, world rank 1 killed)::
         comm.all_reduce(x)
     except cupycomm.PeerLost as lost:    # lost.ranks == (1,) on ranks 0, 2 and 3
         comm = comm.shrink()             # 3 ranks; comm.world_ranks == (0, 2, 3)
+                                         # (RuntimeError if one's all_reduce completed)
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ def _successor(comm: "Communicator", survival: "Survival") -> "Communicator":
     from ..communicator import Communicator
     router = comm.parts.router
     had_device = router.device is not None
-    successor = survival.successor()
+    successor = survival.successor("shrink")
     exit_records.note_survived(survival.lost or ())   # cupycomm.run: the program recovered
     retire(comm, survival)
     shrunk = Communicator.create(successor, name=f"{comm.name}-shrunk", timeout=comm.timeout,

@@ -4,8 +4,9 @@ Open MPI's ``mpiexec --with-ft ulfm --mca btl tcp,self``:
     mpiexec --with-ft ulfm --mca btl tcp,self -n 4 python tests/survivors/scenario.py sigkill DIR
 
 Every rank runs ``init(on_peer_loss="raise")`` and a first all_reduce; then the victim
-(world rank 1; in ``two``, rank 3 and then rank 1) ends as the case says, just after writing
-the time in ``DIR/fault-<rank>``. Each survivor catches PeerLost, agrees, shrinks, runs an
+(world rank 1; in ``two``, rank 3 and then rank 1) ends as the case says, once every
+survivor has told it that the calls before are done (``settle``), just after writing the
+time in ``DIR/fault-<rank>``. Each survivor catches PeerLost, agrees, shrinks, runs an
 all_reduce on the shrunk communicator and checks what the old one (and its subgroup, its
 bucket) does then; it writes what it saw, one JSON object per round, to
 ``DIR/rank-<world rank>.json``, which the test compares with a NumPy reference. Cases:
@@ -72,6 +73,21 @@ def fault(case: str, directory: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def settle(comm, victim):
+    """Every survivor tells the victim that it has finished the calls before the loss, which
+    the victim waits for: a collective that it left first could otherwise still be broken
+    by its end on a slower survivor (ULFM), which would raise PeerLost there and not in the
+    collective the case is about."""
+    me, done = comm.world_ranks[comm.rank], np.ones(1)
+    at = comm.world_ranks.index(victim)
+    if me != victim:
+        comm.send(done, at)
+        return
+    for rank in range(comm.size):
+        if rank != at:
+            comm.recv(done, rank)
+
+
 def survive(comm, case, directory, victim, xp):
     """One round: the victim ends (else this rank waits in all_reduce #2 until PeerLost),
     and the survivors shrink; returns the shrunk communicator and what this rank saw."""
@@ -79,6 +95,7 @@ def survive(comm, case, directory, victim, xp):
     sub = comm.split(comm.rank % 2)     # made before the loss: refused after the shrink
     bucket = comm.bucket([np.ones(3)])
     comm.all_gather_object(me)          # the object collectives' duplicate exists: retired too
+    settle(comm, victim)
     x = np.full(4, me + 1.0)   # host arrays: the device case's loss is seen by MPI
     if me == victim and case != "during":
         fault("sigkill" if case == "objects" else case, directory)

@@ -25,6 +25,7 @@ from cupycomm.testing import run_job, run_mpiexec
 pytestmark = pytest.mark.mpi(max_size=1)
 
 SCENARIO = str(Path(__file__).resolve().parent / "scenario.py")
+RAW_LOOP = str(Path(__file__).resolve().parent / "raw_loop.py")
 LIBRARY = launchers.library_kind(MPI.Get_library_version())
 ULFM = LIBRARY == "openmpi" and hasattr(MPI.Comm, "Revoke")
 needs_ulfm = pytest.mark.skipif(not ULFM, reason="survivors need Open MPI 5's ULFM: the "
@@ -95,6 +96,37 @@ def test_two_ranks_lost_one_after_the_other(tmp_path):
     assert not (tmp_path / "rank-3.json").exists() and not (tmp_path / "rank-1.json").exists()
     check_round({0: found[0][0], 2: found[2][0]}, 3, [0, 1, 2], job)
     check_round({0: found[0][1], 2: found[2][1]}, 1, [0, 2], job)
+
+
+@needs_ulfm
+@pytest.mark.parametrize("options", [["--uneven"], ["--uneven", "--agree"]],
+                         ids=["raw", "agreed"])
+def test_a_loss_that_breaks_a_step_unevenly_is_refused_or_agreed_never_wrong(options):
+    """tests/survivors/raw_loop.py: 4 ranks, each step an all_reduce checked against the sums
+    of the ranks it ran on, a PeerLost redone on comm.shrink()'s communicator; world rank 2
+    lost in step 2. ``--uneven`` makes the loss break step 1 on world rank 3 alone (it waits
+    for the victim's message in vain), so that ranks 0 and 1 raise in step 2: redoing "the
+    step that raised" would match rank 3's step 1 with their step 2 (wrong sums, then a
+    hang), so shrink() refuses on every survivor alike, naming comm.agree and resilient;
+    with ``--agree`` (the ranks agree whether each step counts) every survivor redoes step 1
+    and all is right. (Without ``--uneven`` a loss breaks a step unevenly by a race, under
+    load: 1 to 2 runs in 20; benchmarks/survivors_raw_loop.py counts them.)"""
+    job = run_mpiexec(4, RAW_LOOP, "--timeout", "20", *options, timeout=BOUND,
+                      mpiexec_args=list(policy.FLAGS))
+    assert not job.timed_out, f"the job hung:\n{job.output}"
+    assert "WRONG" not in job.output, job.output
+    if "--agree" in options:
+        assert job.returncode == 0, job.output
+        for rank in (0, 1, 3):
+            assert f"world rank {rank}: 6 steps right, sizes [4, 3, 3, 3, 3, 3]" \
+                in job.stdout, job.output
+    else:
+        assert job.returncode == 3 and "steps right" not in job.stdout, job.output
+        for rank in (0, 1, 3):
+            assert f"world rank {rank} refused: shrink: the survivors stand at different " \
+                f"calls of communicator world" in job.stdout, job.output
+        assert job.stdout.count("(comm.agree(done), then shrink() and redo the same step), "
+                                "or use cupycomm.resilient()") == 3, job.output
 
 
 @needs_ulfm
