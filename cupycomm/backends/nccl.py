@@ -387,6 +387,12 @@ class NcclBackend:
                     f"around each thread's calls until they return")
         self._owner = _thread()
 
+    def _in_flight(self) -> bool:
+        """Whether collectives launched outside captures have not completed yet."""
+        inflight = self._inflight
+        return not self._finished.done or bool(
+            inflight and inflight[-1]._event is not None and not inflight[-1]._event.done)
+
     def _hold(self, keep: tuple, stream: Any) -> None:
         """Keep ``keep`` alive until ``stream`` has got past the call just launched there:
         memory allocated on the caller's stream goes back to that stream's pool when dropped,
