@@ -129,9 +129,9 @@ def _settings(timeout: Optional[float], debug: Optional[bool]) -> Tuple[float, b
 
 
 def _install_process_hooks(abort_on_exception: Optional[bool], joining: bool) -> None:
-    if abort.abort_enabled(abort_on_exception):
-        abort.install_abort_handler(joining)   # an exception on one rank ends the whole job
     exit_records.start()     # under python -m cupycomm.run: this rank's end will be known
+    if abort.abort_enabled(abort_on_exception):   # its hook then comes first (see start())
+        abort.install_abort_handler(joining)   # an exception on one rank ends the whole job
     flight.install_signal()  # a signal dumps the flight recorder
 
 

@@ -420,3 +420,35 @@ def test_srun_is_ended_with_sigterm_which_gives_its_allocation_back(tmp_path):
     assert stopped.read_text().strip() == "TERM"
     assert err.strip().splitlines()[-1].startswith("cupycomm.run: rank 2 (host "), err
     assert err.strip().endswith("srun exited 143"), err
+
+
+XFAIL_LAST = """
+import pytest
+
+def test_a(cupycomm_comm):
+    cupycomm_comm.barrier()
+
+@pytest.mark.xfail
+def test_x():
+    assert 1 == 2
+"""
+
+
+def test_a_passing_session_whose_last_test_was_an_xfail_ends_0(tmp_path):
+    """pytest sets sys.last_value for an exception it handled (an xfail): the exit record
+    says "raised" only for an exception that ended the program."""
+    (tmp_path / "test_x.py").write_text(XFAIL_LAST)
+    job = run_job(2, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_x.py",
+                  timeout=BOUND, cwd=str(tmp_path))
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    assert "1 passed, 1 xfailed" in job.stdout, job.output
+
+
+def test_an_exception_is_the_reason_given_without_the_abort_handler(tmp_path):
+    (tmp_path / "job.py").write_text(RAISES)
+    job = run_job(2, "job.py", timeout=BOUND, cwd=str(tmp_path),
+                  env={"CUPYCOMM_ABORT_ON_EXCEPTION": "0"})
+    assert job.returncode != 0, job.output
+    assert "rank 1 (host" in job.stderr and "raised RuntimeError: deliberate failure on rank 1" \
+        in job.stderr.strip().splitlines()[-1], job.output
