@@ -114,6 +114,16 @@ def _at_exit() -> None:
         record(ENDED)
 
 
+def _forked() -> None:
+    """In a child that ``os.fork()`` made of a rank: it is not the rank, and records
+    nothing (its end would replace the rank's record)."""
+    global _path
+    _path = None
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def read(directory: str, size: int) -> List[Optional[dict]]:
     """The records of world ranks ``0 .. size - 1`` in ``directory`` (None: none written)."""
     records: List[Optional[dict]] = []

@@ -452,3 +452,35 @@ def test_an_exception_is_the_reason_given_without_the_abort_handler(tmp_path):
     assert job.returncode != 0, job.output
     assert "rank 1 (host" in job.stderr and "raised RuntimeError: deliberate failure on rank 1" \
         in job.stderr.strip().splitlines()[-1], job.output
+
+
+FORKS = """
+import atexit, json, os, sys, time, numpy as np, cupycomm
+comm = cupycomm.init(); comm.all_reduce(np.ones(2))
+if comm.rank == 1:
+    time.sleep(0.35)
+    child = os.fork()
+    if child == 0:       # a helper process whose exception escapes, then ends normally:
+        try:
+            raise RuntimeError("a helper's own failure")
+        except RuntimeError:
+            sys.excepthook(*sys.exc_info())
+        atexit._run_exitfuncs()   # as sys.exit does; but not mpi4py's MPI_Finalize, which
+        os._exit(0)               # waits forever in a child (MPICH), with cupycomm or not
+    os.waitpid(child, 0)
+    with open(os.path.join(os.environ["CUPYCOMM_RUN_DIR"], "rank-1.json")) as f:
+        record = json.load(f)
+    print("record of", record["pid"], record["state"], "rank pid", os.getpid(), flush=True)
+    time.sleep(4)            # rank 1 alive and busy
+comm.barrier()
+"""
+
+
+def test_a_forked_child_that_ends_is_not_the_rank(tmp_path):
+    """A child forked from rank 1 raises, then runs its exit hooks: they do nothing to the
+    job (no abort, no board row left, no record overwritten, no lock of the watchdog
+    waited for)."""
+    code, out, err = cupycomm_run(tmp_path, FORKS, 2, "job.py")
+    assert code == 0, out + err
+    pid = re.search(r"rank pid (\d+)", out)
+    assert pid and f"record of {pid[1]} running" in out, out + err
