@@ -43,6 +43,8 @@ ten times a second and:
   margin (the timeout again, at least 10 s and at most 30 s, so that a loaded machine delaying
   this thread is not taken for a hang), the main thread holds the GIL in a call that never
   returns; the timer prints every thread's stack and ends the process, and the job ends.
+  Its limit is at most ``BACKSTOP_MAX`` (about 31 years: a timeout of ``inf``, none, arms
+  that).
   The trade-off: the main thread never touches the timer (that would cost every collective a
   system call), so a collective that takes the GIL before this thread has seen it start is
   not covered here; its peers, waiting in the same collective, end the job at their timeout.
@@ -54,7 +56,8 @@ under the pytest plugin, whose capture of stderr is lost when the job aborts). T
 only reads Python attributes, CUDA events and shared memory; it makes no MPI call except
 ``MPI_Abort``.
 
-The thread is the process's one watcher: anything with ``check(now) -> bool`` (whether it
+A look that raises (a bug of cupycomm's) is printed, once while it repeats, and the thread
+looks again: it never dies of an exception. The thread is the process's one watcher: anything with ``check(now) -> bool`` (whether it
 waits, which arms the GIL backstop) and ``timeout`` can be watched; the pytest plugin's hang
 guard is.
 """
@@ -65,6 +68,7 @@ import faulthandler
 import sys
 import threading
 import time
+import traceback
 import weakref
 from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Tuple
 
@@ -80,11 +84,14 @@ from ..survivors import policy
 if TYPE_CHECKING:   # the contract only: faults/ does not import the backends
     from ..backends import Health
 
-__all__ = ["Watched", "Tracker", "watch", "unwatch", "GRACE", "INTERVAL", "HOLD_MARGIN"]
+__all__ = ["Watched", "Tracker", "watch", "unwatch", "GRACE", "INTERVAL", "HOLD_MARGIN",
+           "BACKSTOP_MAX"]
 
 INTERVAL = 0.1       # seconds between two looks
 GRACE = 2.0          # seconds a collective may wait after a peer left before issuing it
 HOLD_MARGIN = (10.0, 30.0)   # the GIL may be held this much (bounds) past a waiting timeout
+BACKSTOP_MAX = 1e9   # seconds: the backstop's limit at most (no timeout, inf, arms this);
+#                      faulthandler's C timer refuses past about 9.2e9 (OverflowError)
 
 
 class Watched(Protocol):
@@ -341,11 +348,20 @@ class _Watchdog(threading.Thread):
         self.armed = False
 
     def run(self) -> None:
+        failed = ""   # the last failure reported: one that repeats is said once
         while True:
-            with _lock:   # unwatch() waits: no look at an item once it is unwatched
-                now = time.monotonic()
-                waiting = [item for item in list(self.watched) if item.check(now)]
-            self.arm_backstop(waiting)
+            try:
+                with _lock:   # unwatch() waits: no look at an item once it is unwatched
+                    now = time.monotonic()
+                    waiting = [item for item in list(self.watched) if item.check(now)]
+                self.arm_backstop(waiting)
+            except Exception:   # the process's one watcher never dies: say it, look again
+                text = traceback.format_exc()
+                if text != failed:
+                    failed = text
+                    sys.stderr.write(f"cupycomm watchdog: a look failed on {describe_rank()} "
+                                     f"(the watchdog goes on looking):\n{text}")
+                    sys.stderr.flush()
             time.sleep(INTERVAL)
 
     def arm_backstop(self, waiting: list) -> None:
@@ -355,7 +371,7 @@ class _Watchdog(threading.Thread):
         if stream is not None:
             longest = max(item.timeout for item in waiting)
             low, high = HOLD_MARGIN
-            limit = longest + max(low, min(longest, high))
+            limit = min(longest + max(low, min(longest, high)), BACKSTOP_MAX)
             faulthandler.dump_traceback_later(limit, exit=True, file=stream)
             self.armed = True
         elif self.armed:

@@ -11,6 +11,8 @@ import pytest
 
 from fault_jobs import LAUNCHER, ended_quickly, run
 
+from cupycomm.testing import no_auto_cleanup, run_mpiexec
+
 pytestmark = pytest.mark.mpi(max_size=1)
 
 
@@ -44,3 +46,26 @@ def test_a_long_call_holding_the_gil_outside_collectives_is_left_alone():
     ended_quickly(job)
     assert job.returncode == 0, job.output
     assert job.output.count("finished with") == 2, job.output
+
+
+DEAD_PEER = """
+import os, time, cupycomm
+comm = cupycomm.init()
+if comm.rank == 1:
+    time.sleep(1); os._exit(0)
+comm.barrier()
+"""
+
+
+@pytest.mark.parametrize("timeout", ["inf", "1e10"])
+def test_no_timeout_still_ends_a_job_whose_peer_died(tmp_path, timeout):
+    """CUPYCOMM_TIMEOUT=inf (no timeout) or a huge one: the watchdog lives on, and a dead
+    peer still ends the job within seconds."""
+    script = tmp_path / "dead_peer.py"
+    script.write_text(DEAD_PEER)
+    job = run_mpiexec(2, str(script), timeout=60, mpiexec_args=no_auto_cleanup(),
+                      env={"CUPYCOMM_TIMEOUT": timeout})
+    ended_quickly(job)
+    assert job.returncode != 0
+    assert "rank 1 of communicator world" in job.output and "has died" in job.output, \
+        job.output
