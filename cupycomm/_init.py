@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Tuple
 
 from mpi4py import MPI
@@ -39,8 +40,9 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
             never mixes with yours). Default: every rank of the job, and then ``init()`` is
             idempotent: later calls return the same communicator until it is closed.
         device: the CUDA device of this rank; default: local rank modulo the node's GPUs.
-        timeout: seconds before a blocked collective is declared hung (default
-            :data:`~cupycomm.DEFAULT_TIMEOUT`, or the CUPYCOMM_TIMEOUT environment variable).
+        timeout: seconds before a blocked collective is declared hung; ``math.inf``: never
+            (default :data:`~cupycomm.DEFAULT_TIMEOUT`, or the CUPYCOMM_TIMEOUT environment
+            variable, where ``inf`` means none).
         abort_on_exception: abort the whole MPI job when an exception escapes on any rank
             (default on; CUPYCOMM_ABORT_ON_EXCEPTION=0 turns it off).
         debug: before each collective, check across ranks that every rank calls the same
@@ -99,6 +101,9 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
 
 
 def _check_arguments(timeout: Optional[float], device: Optional[int]) -> None:
+    if timeout is not None and (isinstance(timeout, bool)
+                                or not isinstance(timeout, numbers.Real)):
+        raise TypeError(f"init: timeout must be a number of seconds, got {timeout!r}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"init: timeout must be a positive number of seconds, got {timeout!r}")
     if device is not None and (type(device) is not int or device < 0):
@@ -123,7 +128,10 @@ def _current(device: Optional[int], timeout: Optional[float], debug: Optional[bo
 
 
 def _settings(timeout: Optional[float], debug: Optional[bool]) -> Tuple[float, bool]:
-    """(timeout, debug): the arguments, or else the CUPYCOMM_* variables' values."""
+    """(timeout, debug): the arguments, or else the CUPYCOMM_* variables' values; the
+    variables read later, while the communicator is made, are refused now if bad."""
+    for name in _env.AT_INIT:
+        _env.read(name)
     return (_env.read("CUPYCOMM_TIMEOUT") if timeout is None else timeout,
             _env.read("CUPYCOMM_DEBUG") if debug is None else debug)
 
