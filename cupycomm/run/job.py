@@ -13,8 +13,9 @@ calls ``init()`` keeps the launcher's status. The directory is removed afterward
 One failure is the launcher's and not the job's: MPICH's hydra with ``-disable-auto-cleanup``
 on several nodes signals the other nodes' proxies at each rank's exit, and fails (status 255,
 "unable to send SIGUSR1 downstream") when one of them has just exited, after every rank
-finished. Its stderr passes through here, so a job whose every rank recorded its end and
-whose launcher said that ends 0, with a line saying so.
+finished. Its stdout and stderr pass through here, so a job whose every rank recorded its
+end and whose launcher said that ends 0, with a line saying so; there hydra also says which
+signal ended a rank ("Killed (signal 9)"), where its status is the bare number (9).
 
 The job is started as :class:`~cupycomm.run.launchers.Launcher` says, leaving the ending of a
 failed job to cupycomm (hydra: ``-disable-auto-cleanup``; Open MPI: ``--oversubscribe`` past
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import socket
@@ -87,6 +89,8 @@ _EXPORT: Dict[str, str] = {"openmpi": "-x"}
 _STOP: Dict[str, int] = {"srun": signal.SIGTERM}
 # What a launcher prints when it fails on its own at the end of a job that finished (above).
 _OWN_FAILURE: Dict[str, bytes] = {"hydra": b"unable to send SIGUSR1 downstream"}
+# How hydra says that a signal ended a rank (its exit status is then the signal's number).
+_KILLED = re.compile(rb"EXIT STRING: (\w[\w ]* \(signal \d+\))")
 
 
 @dataclasses.dataclass
@@ -239,21 +243,32 @@ def _send(kill, pid: int, number: int) -> None:
         pass
 
 
-class _Stderr:
-    """Copies the launcher's stderr to ours as it comes, noting whether it said ``words``."""
+class _Copy:
+    """Copies one of the launcher's streams to ``target`` (ours) as it comes, noting whether
+    it said ``words``, and what it said of a rank that a signal ended (hydra's "Killed
+    (signal 9)", on its stdout). A copy that cannot be written (our stream closed) still
+    drains the launcher's, which must not block on a full pipe."""
 
-    def __init__(self, pipe, words: bytes) -> None:
+    def __init__(self, pipe, target, words: bytes) -> None:
         self.said = False
-        self._pipe, self._words = pipe, words
+        self.killed = ""
+        self._pipe, self._target, self._words = pipe, target, words
         self._thread = threading.Thread(target=self._copy, daemon=True)
         self._thread.start()
 
     def _copy(self) -> None:
         last = b""
         for chunk in iter(lambda: os.read(self._pipe.fileno(), 1 << 16), b""):
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.buffer.flush()
-            self.said = self.said or self._words in last[-len(self._words):] + chunk
+            try:
+                self._target.buffer.write(chunk)
+                self._target.buffer.flush()
+            except (OSError, ValueError):
+                pass
+            seen = last[-200:] + chunk
+            self.said = self.said or self._words in seen
+            killed = _KILLED.search(seen)
+            if killed and not self.killed:
+                self.killed = killed[1].decode(errors="replace")
             last = chunk
 
     def finish(self) -> None:
@@ -284,14 +299,16 @@ def _ranks(ranks: List[int]) -> str:
 
 def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = "mpiexec",
             stopped_by: Optional[int] = None, died: Sequence[int] = (),
-            launcher_failed: bool = False, strays: Sequence[dict] = ()) -> Tuple[int, str]:
+            launcher_failed: bool = False, strays: Sequence[dict] = (),
+            killed: str = "") -> Tuple[int, str]:
     """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
     left ``records`` (:func:`cupycomm.run.exit_records.read`) and whose launcher exited with
     ``returncode`` (negative: killed by that signal); ``died``: ranks seen dead while the
     job ran (named first: the others were killed after them); ``launcher_failed``: the
     launcher said it failed on its own at the job's end (see the module's docstring);
     ``strays``: the records of processes whose world was not the job's
-    (:func:`cupycomm.run.exit_records.read_strays`).
+    (:func:`cupycomm.run.exit_records.read_strays`); ``killed``: what the launcher said of a
+    rank that a signal ended ("Killed (signal 9)": hydra's status is then 9).
 
     Example::
 
@@ -330,6 +347,9 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
         if status and launcher_failed and returncode > 0:
             return 0, (f"cupycomm.run: every rank reached its end; {exited} after failing on "
                        f"its own as the job ended (hydra's race with its exiting proxies)")
+        if status and killed:
+            return status, (f"cupycomm.run: every rank reached its end, but then a rank was "
+                            f"ended by a signal ({launcher} said: {killed}); {exited}")
         if status:
             return status, (f"cupycomm.run: every rank reached its end, but {exited} (a rank "
                             f"called sys.exit with a non-zero code?)")
@@ -408,16 +428,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     own_failure = _OWN_FAILURE.get(launcher.kind)
     forwarder = _Forwarder(_STOP.get(launcher.kind, signal.SIGKILL), options.survivors)
     try:
-        child = subprocess.Popen(argv_, env=env, start_new_session=True,
-                                 stderr=subprocess.PIPE if own_failure else None)
-        stderr = _Stderr(child.stderr, own_failure) if own_failure else None
+        piped = subprocess.PIPE if own_failure else None
+        child = subprocess.Popen(argv_, env=env, start_new_session=True, stdout=piped,
+                                 stderr=piped)
+        copies = ([_Copy(child.stdout, sys.stdout, own_failure),
+                   _Copy(child.stderr, sys.stderr, own_failure)] if own_failure else [])
         returncode = forwarder.wait(child, directory, options.n)
-        if stderr is not None:
-            stderr.finish()
+        for copy in copies:
+            copy.finish()
         status, line = verdict(exit_records.read(directory, options.n), returncode,
                                os.path.basename(launcher.executable), forwarder.signal,
-                               forwarder.died, stderr is not None and stderr.said,
-                               exit_records.read_strays(directory))
+                               forwarder.died, any(copy.said for copy in copies),
+                               exit_records.read_strays(directory),
+                               next((copy.killed for copy in copies if copy.killed), ""))
     finally:
         forwarder.restore()
         shutil.rmtree(directory, ignore_errors=True)

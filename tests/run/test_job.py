@@ -484,3 +484,29 @@ def test_a_forked_child_that_ends_is_not_the_rank(tmp_path):
     assert code == 0, out + err
     pid = re.search(r"rank pid (\d+)", out)
     assert pid and f"record of {pid[1]} running" in out, out + err
+
+
+def test_a_rank_a_signal_ended_after_its_end_is_reported_as_a_kill():
+    ended = [record(0, "ended"), record(1, "ended")]
+    assert launch.verdict(ended, 9, killed="Killed (signal 9)") == (
+        9, "cupycomm.run: every rank reached its end, but then a rank was ended by a signal "
+           "(mpiexec said: Killed (signal 9)); mpiexec exited 9")
+
+
+KILLED_AFTER_ITS_END = """
+import atexit, os, signal, numpy as np
+from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 1:   # runs after cupycomm's exit hooks, which come later
+    atexit.register(os.kill, os.getpid(), signal.SIGKILL)
+import cupycomm
+cupycomm.init().all_reduce(np.ones(2))
+"""
+
+
+@pytest.mark.skipif(launchers.find().kind != "hydra", reason="hydra's words for a signal")
+def test_hydras_killed_rank_is_named_a_kill(tmp_path):
+    code, out, err = cupycomm_run(tmp_path, KILLED_AFTER_ITS_END, 2, "job.py")
+    assert code != 0, out + err
+    line = err.strip().splitlines()[-1]
+    assert "a rank was ended by a signal (mpiexec said: Killed (signal 9))" in line, err
+    assert "sys.exit" not in line, err
