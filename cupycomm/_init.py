@@ -5,8 +5,10 @@
 3. :func:`_settings`: what the arguments leave unsaid, from the CUPYCOMM_* variables;
 4. :func:`_install_process_hooks`: the abort handler, the exit record and the flight
    recorder's signal (each once per process);
-5. :func:`_parent`: the MPI communicator to build on, which ``_bootstrap.check_launch``
-   holds against the launcher's world (N singletons where it started N ranks: an error);
+5. :func:`_parent`: the MPI communicator to build on, whose ranks must all arrive within
+   the timeout (:func:`cupycomm.faults.watchdog.meet`), and which
+   ``_bootstrap.check_launch`` holds against the launcher's world (N singletons where it
+   started N ranks: an error);
 6. the Communicator over a duplicate of it (:meth:`~cupycomm.communicator.Communicator.create`);
    or, in a process that ``comm.grow()`` started, the grown communicator
    (:func:`cupycomm.survivors.grow.join`).
@@ -20,7 +22,7 @@ from mpi4py import MPI
 
 from . import _bootstrap, _env
 from .communicator import Communicator
-from .faults import abort, flight
+from .faults import abort, flight, watchdog
 from .run import exit_records
 from .survivors import grow, policy
 
@@ -90,6 +92,8 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
         comm = grow.join(device, device_module)
     else:
         parent = _parent(mpi_comm)
+        if parent.Get_size() > 1:   # the first collective: a rank that never comes ends it
+            watchdog.meet(parent, timeout)
         _bootstrap.check_launch(parent)   # N singletons where the launcher started N: an error
         comm = Communicator.create(parent.Dup(),
                                    name="world" if mpi_comm is None else "mpi_comm",

@@ -46,7 +46,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._private import alive
-from . import exit_records, launchers
+from . import exit_records, launchers, ranks
 
 __all__ = ["Options", "UsageError", "parse", "verdict", "main", "USAGE", "GRACE",
            "LOST_GRACE"]
@@ -192,6 +192,8 @@ class _Forwarder:
         self._stop = stop   # what ends the launcher's session first (see _STOP)
         self._survivors = survivors   # a rank that died does not end the job (--survivors)
         self.died: List[int] = []   # ranks of this host seen dead without an end recorded
+        # ranks of this host whose processes ended before they recorded anything, their pids
+        self.before_init: List[Tuple[int, Optional[int]]] = []   # (None: never seen)
         self._arrived = 0
         self._previous = {s: signal.signal(s, self._handle)
                           for s in (signal.SIGINT, signal.SIGTERM)}
@@ -205,10 +207,14 @@ class _Forwarder:
         """``child``'s exit status, once it has ended. The first signal is forwarded to it; a
         second one, GRACE s without an end after the first, or LOST_GRACE s after a rank of
         this host died without recording its end (its peers could wait in ``MPI_Finalize``
-        forever; the watchdog names it first where they wait in a collective) end its
-        session: with the launcher's stop signal, then SIGKILL GRACE s later."""
+        forever; the watchdog names it first where they wait in a collective), or ended
+        before it recorded anything (its peers wait in ``MPI_Init``: seen on two looks in a
+        row, so that a rank still starting is not taken for one), end its session: with the
+        launcher's stop signal, then SIGKILL GRACE s later."""
         forwarded_at = lost_at = stopped_at = None
         next_look = time.monotonic()
+        here = ranks.Ranks(child.pid, directory, size)
+        gone: List[int] = []
         while True:
             now = time.monotonic()
             if self.signal is not None and forwarded_at is None:
@@ -216,8 +222,12 @@ class _Forwarder:
                 _send(os.kill, child.pid, self.signal)
             if lost_at is None and now >= next_look:
                 next_look = now + 1.0
-                self.died = _died_here(exit_records.read(directory, size))
-                if self.died and not self._survivors:
+                records = exit_records.read(directory, size)
+                self.died = _died_here(records)
+                before, gone = gone, [rank for rank in here.gone() if records[rank] is None]
+                self.before_init = [(rank, here.pids.get(rank)) for rank in gone
+                                    if rank in before]
+                if (self.died or self.before_init) and not self._survivors:
                     lost_at = now
             if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
                     or (lost_at is not None and now - lost_at > LOST_GRACE)):
@@ -300,7 +310,8 @@ def _ranks(ranks: List[int]) -> str:
 def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = "mpiexec",
             stopped_by: Optional[int] = None, died: Sequence[int] = (),
             launcher_failed: bool = False, strays: Sequence[dict] = (),
-            killed: str = "") -> Tuple[int, str]:
+            killed: str = "",
+            before_init: Sequence[Tuple[int, Optional[int]]] = ()) -> Tuple[int, str]:
     """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
     left ``records`` (:func:`cupycomm.run.exit_records.read`) and whose launcher exited with
     ``returncode`` (negative: killed by that signal); ``died``: ranks seen dead while the
@@ -308,7 +319,9 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
     launcher said it failed on its own at the job's end (see the module's docstring);
     ``strays``: the records of processes whose world was not the job's
     (:func:`cupycomm.run.exit_records.read_strays`); ``killed``: what the launcher said of a
-    rank that a signal ended ("Killed (signal 9)": hydra's status is then 9).
+    rank that a signal ended ("Killed (signal 9)": hydra's status is then 9);
+    ``before_init``: (rank, pid or None: never seen) of the ranks on this host seen gone
+    before they recorded anything (:mod:`cupycomm.run.ranks`), while the job went on.
 
     Example::
 
@@ -322,6 +335,15 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
     if stopped_by is not None:
         return 128 + stopped_by, (f"cupycomm.run: stopped by {signal.Signals(stopped_by).name}, "
                                   f"forwarded to the job; {exited}")
+    if before_init:
+        gone, pid = before_init[0]
+        others = [rank for rank, _ in before_init[1:]]
+        where = socket.gethostname() + (f", pid {pid}" if pid is not None else "")
+        too = f"; {_ranks(others)} too" if others else ""
+        return status or 1, (
+            f"cupycomm.run: rank {gone} (host {where}) ended before calling cupycomm.init() "
+            f"(its output says why), while the other ranks waited for it (in MPI_Init or "
+            f"init()){too}; {exited}")
     written = [r for r in records if r is not None]
     if not written and strays:
         sizes = sorted({s["size"] for s in strays})
@@ -440,7 +462,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                os.path.basename(launcher.executable), forwarder.signal,
                                forwarder.died, any(copy.said for copy in copies),
                                exit_records.read_strays(directory),
-                               next((copy.killed for copy in copies if copy.killed), ""))
+                               next((copy.killed for copy in copies if copy.killed), ""),
+                               forwarder.before_init)
     finally:
         forwarder.restore()
         shutil.rmtree(directory, ignore_errors=True)

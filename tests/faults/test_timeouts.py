@@ -69,3 +69,25 @@ def test_no_timeout_still_ends_a_job_whose_peer_died(tmp_path, timeout):
     assert job.returncode != 0
     assert "rank 1 of communicator world" in job.output and "has died" in job.output, \
         job.output
+
+
+EXITS_BEFORE_INIT = """
+import sys
+from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 1:
+    sys.exit(3)   # MPI started, cupycomm never: MPICH keeps it in MPI_Finalize
+import numpy as np, cupycomm
+cupycomm.init().all_reduce(np.ones(2))
+"""
+
+
+def test_inits_first_collective_is_watched(tmp_path):
+    """A rank that exits after MPI started but before cupycomm.init() leaves its peers in
+    init's first collective: it ends within the timeout, naming init."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS_BEFORE_INIT)
+    job = run_mpiexec(3, str(script), timeout=60, mpiexec_args=no_auto_cleanup(),
+                      env={"CUPYCOMM_TIMEOUT": "3"})
+    ended_quickly(job, bound=20)
+    assert job.returncode != 0
+    assert "did not all reach cupycomm.init() within 3 s" in job.output, job.output

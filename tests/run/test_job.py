@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -510,3 +511,32 @@ def test_hydras_killed_rank_is_named_a_kill(tmp_path):
     line = err.strip().splitlines()[-1]
     assert "a rank was ended by a signal (mpiexec said: Killed (signal 9))" in line, err
     assert "sys.exit" not in line, err
+
+
+BEFORE_INIT = """
+import os, sys
+if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
+    open("/nonexistent/shard-1.npy")   # a missing file, before anything of MPI
+import numpy as np, cupycomm
+cupycomm.init().all_reduce(np.ones(2))
+"""
+
+
+def test_a_rank_that_fails_before_init_ends_the_job_within_seconds(tmp_path):
+    """Its peers wait for it in MPI_Init (hydra, with -disable-auto-cleanup, waits too): the
+    parent sees its process gone, ends the job and names it."""
+    start = time.monotonic()
+    code, out, err = cupycomm_run(tmp_path, BEFORE_INIT, 3, "job.py")
+    assert time.monotonic() - start < 20, out + err
+    assert code != 0, out + err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("cupycomm.run: rank 1 (host "), err
+    assert "ended before calling cupycomm.init()" in line, line
+    no_job_directory(tmp_path)
+
+
+def test_a_rank_gone_before_init_is_the_first_cause():
+    assert launch.verdict([None, None, None], -9, before_init=[(1, None), (2, 42)])[1] \
+        .startswith(f"cupycomm.run: rank 1 (host {socket.gethostname()}) ended before calling "
+                    "cupycomm.init() (its output says why), while the other ranks waited for "
+                    "it (in MPI_Init or init()); rank 2 too; mpiexec was killed by signal 9")
