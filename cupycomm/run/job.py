@@ -224,7 +224,8 @@ class _Forwarder:
                 next_look = now + 1.0
                 records = exit_records.read(directory, size)
                 self.died = _died_here(records)
-                before, gone = gone, [rank for rank in here.gone() if records[rank] is None]
+                before, gone = gone, ([rank for rank in here.gone() if records[rank] is None]
+                                      if None in records else [])   # else: no /proc to read
                 self.before_init = [(rank, here.pids.get(rank)) for rank in gone
                                     if rank in before]
                 if (self.died or self.before_init) and not self._survivors:
