@@ -210,5 +210,13 @@ def close_all() -> None:
             sys.stderr.write(f"cupycomm: releasing at exit failed: {error!r}\n")
 
 
+def _forked() -> None:
+    """In a child that ``os.fork()`` made of a rank: the child is not the rank, and closes
+    none of its communicators at exit (that would tell the rank's peers it left, and wait
+    for the watchdog's lock, which no thread of the child will ever release)."""
+    _LIVE.clear()
+
+
 # mpi4py finalizes MPI after the atexit handlers, so this runs first.
 atexit.register(close_all)
+os.register_at_fork(after_in_child=_forked)

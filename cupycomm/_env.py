@@ -2,7 +2,8 @@
 
 Nothing else in the package reads a CUPYCOMM_* variable. Each is read when it is needed
 (``init()`` reads the communicator's settings), so a program may set them before that.
-A value that does not parse raises ValueError naming the variable and the value.
+A value that does not parse, or is out of range, raises ValueError naming the variable and
+the value; ``init()`` reads every one it uses before any communication (:data:`AT_INIT`).
 
 Example::
 
@@ -14,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple
 
-__all__ = ["Variable", "VARIABLES", "read", "default"]
+__all__ = ["Variable", "VARIABLES", "AT_INIT", "read", "default"]
 
 
 def _flag(raw: str) -> bool:
@@ -36,10 +37,29 @@ def _seconds(raw: str) -> float:
     return value
 
 
+def _at_least(minimum: float, why: str) -> Callable[[str], float]:
+    """A parser of seconds, refusing fewer than ``minimum`` (``why``: what needs them)."""
+    def seconds(raw: str) -> float:
+        value = _seconds(raw)
+        if value < minimum:
+            raise ValueError(f"must be at least {minimum:g} s ({why})")
+        return value
+    return seconds
+
+
 def _count(raw: str) -> int:
     if not raw.strip().isdigit() or int(raw) < 1:
         raise ValueError("is not a count >= 1")
     return int(raw)
+
+
+def _count_to(most: int) -> Callable[[str], int]:
+    """A parser of counts from 1 to ``most``."""
+    def count(raw: str) -> int:
+        if not raw.strip().isdigit() or not 1 <= int(raw) <= most:
+            raise ValueError(f"is not a count from 1 to {most}")
+        return int(raw)
+    return count
 
 
 def _text(raw: str) -> str:
@@ -59,20 +79,22 @@ class Variable:
 
 VARIABLES: Tuple[Variable, ...] = (
     Variable("CUPYCOMM_TIMEOUT", _seconds, 600.0,
-             "seconds a collective may wait before it is declared hung (init(timeout=) wins)"),
+             "seconds a collective may wait before it is declared hung; inf: no timeout "
+             "(init(timeout=) wins)"),
     Variable("CUPYCOMM_DEBUG", _flag, False,
              "check before each collective that every rank calls it alike (init(debug=) wins)"),
     Variable("CUPYCOMM_ABORT_ON_EXCEPTION", _flag, True,
              "abort the MPI job when an exception escapes on one rank "
              "(init(abort_on_exception=) wins)"),
-    Variable("CUPYCOMM_HEARTBEAT_TIMEOUT", _seconds, 5.0,
+    Variable("CUPYCOMM_HEARTBEAT_TIMEOUT", _at_least(1.0, "ten of the 0.1 s beats"), 5.0,
              "seconds without a heartbeat after which a node of a multi-node job is taken "
-             "as dead (see docs/guide/many-nodes.md)"),
+             "as dead, at least 1 (see docs/guide/many-nodes.md)"),
     Variable("CUPYCOMM_FLIGHT_RECORDER", _text, "",
              "a directory where each rank writes its flight recorder (rank-<r>.json) when "
              "a call waits, on a fault or SIGUSR1, and at close"),
-    Variable("CUPYCOMM_FLIGHT_RECORDER_SIZE", _count, 64,
-             "how many of its last calls each communicator's flight recorder keeps"),
+    Variable("CUPYCOMM_FLIGHT_RECORDER_SIZE", _count_to(100_000), 64,
+             "how many of its last calls each communicator's flight recorder keeps, "
+             "at most 100000"),
     Variable("CUPYCOMM_RUN_DIR", _text, "",
              "the job directory where each rank records how it ended (set by python -m "
              "cupycomm.run)"),
@@ -85,6 +107,9 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("CUPYCOMM_BENCH_COMMAND", _text, "",
              "the command line python -m cupycomm.bench records (set by benchmarks/run_matrix)"),
 )
+AT_INIT: Tuple[str, ...] = ("CUPYCOMM_HEARTBEAT_TIMEOUT", "CUPYCOMM_FLIGHT_RECORDER_SIZE")
+"""The variables read while a communicator is made (the heartbeats only where it spans
+nodes): ``init()`` reads them first, so that a bad value is refused on every rank alike."""
 _BY_NAME: Dict[str, Variable] = {variable.name: variable for variable in VARIABLES}
 
 

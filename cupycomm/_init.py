@@ -5,21 +5,24 @@
 3. :func:`_settings`: what the arguments leave unsaid, from the CUPYCOMM_* variables;
 4. :func:`_install_process_hooks`: the abort handler, the exit record and the flight
    recorder's signal (each once per process);
-5. :func:`_parent`: the MPI communicator to build on, which ``_bootstrap.check_launch``
-   holds against the launcher's world (N singletons where it started N ranks: an error);
+5. :func:`_parent`: the MPI communicator to build on, whose ranks must all arrive within
+   the timeout (:func:`cupycomm.faults.watchdog.meet`), and which
+   ``_bootstrap.check_launch`` holds against the launcher's world (N singletons where it
+   started N ranks: an error);
 6. the Communicator over a duplicate of it (:meth:`~cupycomm.communicator.Communicator.create`);
    or, in a process that ``comm.grow()`` started, the grown communicator
    (:func:`cupycomm.survivors.grow.join`).
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Tuple
 
 from mpi4py import MPI
 
 from . import _bootstrap, _env
 from .communicator import Communicator
-from .faults import abort, flight
+from .faults import abort, flight, watchdog
 from .run import exit_records
 from .survivors import grow, policy
 
@@ -39,8 +42,9 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
             never mixes with yours). Default: every rank of the job, and then ``init()`` is
             idempotent: later calls return the same communicator until it is closed.
         device: the CUDA device of this rank; default: local rank modulo the node's GPUs.
-        timeout: seconds before a blocked collective is declared hung (default
-            :data:`~cupycomm.DEFAULT_TIMEOUT`, or the CUPYCOMM_TIMEOUT environment variable).
+        timeout: seconds before a blocked collective is declared hung; ``math.inf``: never
+            (default :data:`~cupycomm.DEFAULT_TIMEOUT`, or the CUPYCOMM_TIMEOUT environment
+            variable, where ``inf`` means none).
         abort_on_exception: abort the whole MPI job when an exception escapes on any rank
             (default on; CUPYCOMM_ABORT_ON_EXCEPTION=0 turns it off).
         debug: before each collective, check across ranks that every rank calls the same
@@ -88,6 +92,8 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
         comm = grow.join(device, device_module)
     else:
         parent = _parent(mpi_comm)
+        if parent.Get_size() > 1:   # the first collective: a rank that never comes ends it
+            watchdog.meet(parent, timeout)
         _bootstrap.check_launch(parent)   # N singletons where the launcher started N: an error
         comm = Communicator.create(parent.Dup(),
                                    name="world" if mpi_comm is None else "mpi_comm",
@@ -99,6 +105,9 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
 
 
 def _check_arguments(timeout: Optional[float], device: Optional[int]) -> None:
+    if timeout is not None and (isinstance(timeout, bool)
+                                or not isinstance(timeout, numbers.Real)):
+        raise TypeError(f"init: timeout must be a number of seconds, got {timeout!r}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"init: timeout must be a positive number of seconds, got {timeout!r}")
     if device is not None and (type(device) is not int or device < 0):
@@ -123,15 +132,18 @@ def _current(device: Optional[int], timeout: Optional[float], debug: Optional[bo
 
 
 def _settings(timeout: Optional[float], debug: Optional[bool]) -> Tuple[float, bool]:
-    """(timeout, debug): the arguments, or else the CUPYCOMM_* variables' values."""
+    """(timeout, debug): the arguments, or else the CUPYCOMM_* variables' values; the
+    variables read later, while the communicator is made, are refused now if bad."""
+    for name in _env.AT_INIT:
+        _env.read(name)
     return (_env.read("CUPYCOMM_TIMEOUT") if timeout is None else timeout,
             _env.read("CUPYCOMM_DEBUG") if debug is None else debug)
 
 
 def _install_process_hooks(abort_on_exception: Optional[bool], joining: bool) -> None:
-    if abort.abort_enabled(abort_on_exception):
-        abort.install_abort_handler(joining)   # an exception on one rank ends the whole job
     exit_records.start()     # under python -m cupycomm.run: this rank's end will be known
+    if abort.abort_enabled(abort_on_exception):   # its hook then comes first (see start())
+        abort.install_abort_handler(joining)   # an exception on one rank ends the whole job
     flight.install_signal()  # a signal dumps the flight recorder
 
 

@@ -1,4 +1,5 @@
 """init(): idempotence, reuse of an mpi4py communicator, local ranks, devices, arguments."""
+import re
 import warnings
 
 import numpy as np
@@ -51,6 +52,8 @@ def test_no_gpu_means_no_device_and_numpy():
     ({"device": -1}, ValueError, "device must be a CUDA device number >= 0, got -1"),
     ({"device": "0"}, ValueError, "device must be a CUDA device number"),
     ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds, got 0"),
+    ({"timeout": True}, TypeError, "init: timeout must be a number of seconds, got True"),
+    ({"timeout": "10"}, TypeError, "init: timeout must be a number of seconds, got '10'"),
     ({"mpi_comm": "world"}, TypeError, "mpi_comm must be an mpi4py communicator, got 'world'"),
 ])
 def test_init_rejects_bad_arguments(kwargs, kind, pattern):
@@ -65,6 +68,29 @@ def test_timeout_from_the_environment(monkeypatch):
     monkeypatch.setenv("CUPYCOMM_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="CUPYCOMM_TIMEOUT='soon' is not a number of seconds"):
         cupycomm.init(MPI.COMM_WORLD)
+
+
+@pytest.mark.parametrize("name,value,why", [
+    ("CUPYCOMM_HEARTBEAT_TIMEOUT", "0.05", "must be at least 1 s"),
+    ("CUPYCOMM_HEARTBEAT_TIMEOUT", "soon", "is not a number of seconds"),
+    ("CUPYCOMM_FLIGHT_RECORDER_SIZE", "1000000000000", "is not a count from 1 to 100000"),
+    ("CUPYCOMM_FLIGHT_RECORDER_SIZE", "1e8", "is not a count from 1 to 100000"),
+])
+def test_init_refuses_a_setting_out_of_range_before_any_communication(monkeypatch, name,
+                                                                       value, why):
+    """On every rank, whether the communicator spans nodes (the heartbeats) or not."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} {why}")):
+        cupycomm.init(MPI.COMM_WORLD)
+    monkeypatch.undo()
+    with cupycomm.init(MPI.COMM_WORLD) as comm:   # nothing was left half made
+        assert comm.all_reduce(np.ones(1))[0] == comm.size
+
+
+def test_no_timeout_is_inf():
+    with cupycomm.init(MPI.COMM_WORLD, timeout=float("inf")) as comm:
+        assert comm.timeout == float("inf")
+        assert comm.all_reduce(np.ones(1))[0] == comm.size
 
 
 def test_default_init_refuses_different_settings():

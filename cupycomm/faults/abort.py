@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -49,9 +50,12 @@ def install_abort_handler(joined: bool = False) -> None:
     if (_bootstrap.world().Get_size() == 1 and not joined) \
             or getattr(sys.excepthook, "_cupycomm", False):
         return
-    previous = sys.excepthook
+    previous, rank_pid = sys.excepthook, os.getpid()
 
     def abort_on_exception(kind, value, tb):
+        if os.getpid() != rank_pid:   # a child that os.fork() made of the rank: not the rank
+            previous(kind, value, tb)
+            return
         text = "".join(traceback.format_exception(kind, value, tb))
         report_stream().write(f"cupycomm: uncaught exception on {_bootstrap.describe_rank()}; "
                               f"aborting the MPI job\n{text}")

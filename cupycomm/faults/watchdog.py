@@ -44,6 +44,8 @@ ten times a second and:
   margin (the timeout again, at least 10 s and at most 30 s, so that a loaded machine delaying
   this thread is not taken for a hang), the main thread holds the GIL in a call that never
   returns; the timer prints every thread's stack and ends the process, and the job ends.
+  Its limit is at most ``BACKSTOP_MAX`` (about 31 years: a timeout of ``inf``, none, arms
+  that).
   The trade-off: the main thread never touches the timer (that would cost every collective a
   system call), so a collective that takes the GIL before this thread has seen it start is
   not covered here; its peers, waiting in the same collective, end the job at their timeout.
@@ -55,9 +57,12 @@ under the pytest plugin, whose capture of stderr is lost when the job aborts). T
 only reads Python attributes, CUDA events and shared memory; it makes no MPI call except
 ``MPI_Abort``.
 
-The thread is the process's one watcher: anything with ``check(now) -> bool`` (whether it
-waits, which arms the GIL backstop) and ``timeout`` can be watched; the pytest plugin's hang
-guard is.
+A look that raises (a bug of cupycomm's) is printed, once while it repeats, and the thread
+looks again: it never dies of an exception. The thread is the process's one watcher:
+anything with ``check(now) -> bool`` (whether it waits, which arms the GIL backstop) and
+``timeout`` can be watched; the pytest plugin's hang guard is. Before the first
+communicator exists, :func:`meet` watches ``init()``'s first collective from the main
+thread.
 """
 from __future__ import annotations
 
@@ -66,27 +71,35 @@ import faulthandler
 import sys
 import threading
 import time
+import traceback
 import weakref
 from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Tuple
 
-from .._bootstrap import describe_rank
+from mpi4py import MPI
+
+from .. import _env
+from .._bootstrap import describe_rank, exiting
 from .._collectives import BY_NAME, CALLS, POINT_TO_POINT
 from . import board as _board, stacks
 from .flight import Recorder
 from .abort import abort_job, report_stream
 from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from .heartbeat import Heartbeats
+from ..run import exit_records
 from ..survivors import policy
 from ..survivors.lost import known_lost
 
 if TYPE_CHECKING:   # the contract only: faults/ does not import the backends
     from ..backends import Health
 
-__all__ = ["Watched", "Tracker", "watch", "unwatch", "GRACE", "INTERVAL", "HOLD_MARGIN"]
+__all__ = ["Watched", "Tracker", "watch", "unwatch", "meet", "GRACE", "INTERVAL",
+           "HOLD_MARGIN", "BACKSTOP_MAX"]
 
 INTERVAL = 0.1       # seconds between two looks
 GRACE = 2.0          # seconds a collective may wait after a peer left before issuing it
 HOLD_MARGIN = (10.0, 30.0)   # the GIL may be held this much (bounds) past a waiting timeout
+BACKSTOP_MAX = 1e9   # seconds: the backstop's limit at most (no timeout, inf, arms this);
+#                      faulthandler's C timer refuses past about 9.2e9 (OverflowError)
 
 
 class Watched(Protocol):
@@ -360,11 +373,22 @@ class _Watchdog(threading.Thread):
         self.armed = False
 
     def run(self) -> None:
+        failed = ""   # the last failure reported: one that repeats is said once
         while True:
-            with _lock:   # unwatch() waits: no look at an item once it is unwatched
-                now = time.monotonic()
-                waiting = [item for item in list(self.watched) if item.check(now)]
-            self.arm_backstop(waiting)
+            try:
+                with _lock:   # unwatch() waits: no look at an item once it is unwatched
+                    now = time.monotonic()
+                    waiting = [item for item in list(self.watched) if item.check(now)]
+                self.arm_backstop(waiting)
+            except Exception:   # the process's one watcher never dies: say it, look again
+                if exiting():   # what it watched is closed, MPI finalizing: nothing to say
+                    return
+                text = traceback.format_exc()
+                if text != failed:
+                    failed = text
+                    sys.stderr.write(f"cupycomm watchdog: a look failed on {describe_rank()} "
+                                     f"(the watchdog goes on looking):\n{text}")
+                    sys.stderr.flush()
             time.sleep(INTERVAL)
 
     def arm_backstop(self, waiting: list) -> None:
@@ -374,7 +398,7 @@ class _Watchdog(threading.Thread):
         if stream is not None:
             longest = max(item.timeout for item in waiting)
             low, high = HOLD_MARGIN
-            limit = longest + max(low, min(longest, high))
+            limit = min(longest + max(low, min(longest, high)), BACKSTOP_MAX)
             faulthandler.dump_traceback_later(limit, exit=True, file=stream)
             self.armed = True
         elif self.armed:
@@ -402,3 +426,30 @@ def unwatch(item: Watched) -> None:
     with _lock:
         if _watchdog is not None:
             _watchdog.watched.discard(item)
+
+
+def meet(comm: MPI.Comm, timeout: float) -> None:
+    """``init()``'s first collective, watched: a barrier over ``comm`` that every rank must
+    reach within ``timeout`` s, else this rank ends the job, naming init (and, under
+    ``cupycomm.run`` on the world, the ranks that have not called it). Before it no
+    communicator exists to watch: a rank that failed or exited after MPI started (MPICH
+    keeps it in ``MPI_Finalize``) would leave its peers waiting forever."""
+    arrived = comm.Ibarrier()
+    deadline, pause = time.monotonic() + timeout, 5e-5
+    while not arrived.Test():
+        if time.monotonic() > deadline:
+            abort_job(f"the {comm.Get_size()} ranks did not all reach cupycomm.init() "
+                      f"within {timeout:g} s (timeout), as {describe_rank()} waited for "
+                      f"them{_not_started(comm)}: a rank that failed or exited before init?")
+        time.sleep(pause)
+        pause = min(2 * pause, 5e-3)
+
+
+def _not_started(comm: MPI.Comm) -> str:
+    """'; ranks [1] never called it (cupycomm.run's records)', where those say so."""
+    directory = _env.read("CUPYCOMM_RUN_DIR")
+    if not directory or comm.Get_size() != _env.read("CUPYCOMM_RUN_SIZE"):
+        return ""
+    records = exit_records.read(directory, comm.Get_size())
+    missing = [rank for rank, record in enumerate(records) if record is None]
+    return f"; ranks {missing} never called it (cupycomm.run's records)" if missing else ""

@@ -68,6 +68,7 @@ def start() -> None:
         _path = _record_path(directory, _bootstrap.world().Get_rank())
     record(RUNNING)
     atexit.register(_at_exit)
+    _record_uncaught()
 
 
 def record(state: str, detail: str = "") -> None:
@@ -97,14 +98,32 @@ def note_survived(ranks: Sequence[int]) -> None:
         record(RUNNING)
 
 
+def _record_uncaught() -> None:
+    """Record "raised" when an exception escapes: the interpreter calls ``sys.excepthook``
+    only for one that ends the program (``sys.last_value`` is no sign of it: pytest and
+    IPython set it for exceptions they handled, an xfail's)."""
+    previous = sys.excepthook
+
+    def record_uncaught(kind, value, tb):
+        record(RAISED, f"{kind.__name__}: {value}")
+        previous(kind, value, tb)
+
+    sys.excepthook = record_uncaught
+
+
 def _at_exit() -> None:
-    # The interpreter sets sys.last_value when an uncaught exception ended the program
-    # (the abort handler, if installed, has aborted the job before atexit runs).
-    error = getattr(sys, "last_value", None)
-    if error is not None:
-        record(RAISED, f"{type(error).__name__}: {error}")
-    else:
+    if _state == RUNNING:   # not "raised" (the hook above, or the abort handler) or "aborted"
         record(ENDED)
+
+
+def _forked() -> None:
+    """In a child that ``os.fork()`` made of a rank: it is not the rank, and records
+    nothing (its end would replace the rank's record)."""
+    global _path
+    _path = None
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class JobDirectory:

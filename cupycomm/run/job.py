@@ -15,8 +15,9 @@ read. It is removed afterwards.
 One failure is the launcher's and not the job's: MPICH's hydra with ``-disable-auto-cleanup``
 on several nodes signals the other nodes' proxies at each rank's exit, and fails (status 255,
 "unable to send SIGUSR1 downstream") when one of them has just exited, after every rank
-finished. Its stderr passes through here, so a job whose every rank recorded its end and
-whose launcher said that ends 0, with a line saying so.
+finished. Its stdout and stderr pass through here, so a job whose every rank recorded its
+end and whose launcher said that ends 0, with a line saying so; there hydra also says which
+signal ended a rank ("Killed (signal 9)"), where its status is the bare number (9).
 
 The job is started as :class:`~cupycomm.run.launchers.Launcher` says, leaving the ending of a
 failed job to cupycomm (hydra: ``-disable-auto-cleanup``; Open MPI: ``--oversubscribe`` past
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -46,7 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._private import alive
 from ..errors import SharedFileRefused
-from . import exit_records, launchers
+from . import exit_records, launchers, ranks
 
 __all__ = ["Options", "UsageError", "parse", "verdict", "main", "USAGE", "GRACE",
            "LOST_GRACE"]
@@ -89,6 +91,8 @@ _EXPORT: Dict[str, str] = {"openmpi": "-x"}
 _STOP: Dict[str, int] = {"srun": signal.SIGTERM}
 # What a launcher prints when it fails on its own at the end of a job that finished (above).
 _OWN_FAILURE: Dict[str, bytes] = {"hydra": b"unable to send SIGUSR1 downstream"}
+# How hydra says that a signal ended a rank (its exit status is then the signal's number).
+_KILLED = re.compile(rb"EXIT STRING: (\w[\w ]* \(signal \d+\))")
 
 
 @dataclasses.dataclass
@@ -190,6 +194,8 @@ class _Forwarder:
         self._stop = stop   # what ends the launcher's session first (see _STOP)
         self._survivors = survivors   # a rank that died does not end the job (--survivors)
         self.died: List[int] = []   # ranks of this host seen dead without an end recorded
+        # ranks of this host whose processes ended before they recorded anything, their pids
+        self.before_init: List[Tuple[int, Optional[int]]] = []   # (None: never seen)
         self._arrived = 0
         self._previous = {s: signal.signal(s, self._handle)
                           for s in (signal.SIGINT, signal.SIGTERM)}
@@ -204,10 +210,14 @@ class _Forwarder:
         """``child``'s exit status, once it has ended. The first signal is forwarded to it; a
         second one, GRACE s without an end after the first, or LOST_GRACE s after a rank of
         this host died without recording its end (its peers could wait in ``MPI_Finalize``
-        forever; the watchdog names it first where they wait in a collective) end its
-        session: with the launcher's stop signal, then SIGKILL GRACE s later."""
+        forever; the watchdog names it first where they wait in a collective), or ended
+        before it recorded anything (its peers wait in ``MPI_Init``: seen on two looks in a
+        row, so that a rank still starting is not taken for one), end its session: with the
+        launcher's stop signal, then SIGKILL GRACE s later."""
         forwarded_at = lost_at = stopped_at = None
         next_look = time.monotonic()
+        here = ranks.Ranks(child.pid, directory.path, size)
+        gone: List[int] = []
         while True:
             now = time.monotonic()
             if self.signal is not None and forwarded_at is None:
@@ -215,8 +225,13 @@ class _Forwarder:
                 _send(os.kill, child.pid, self.signal)
             if lost_at is None and now >= next_look:
                 next_look = now + 1.0
-                self.died = _died_here(directory.read(size))
-                if self.died and not self._survivors:
+                records = directory.read(size)
+                self.died = _died_here(records)
+                before, gone = gone, ([rank for rank in here.gone() if records[rank] is None]
+                                      if None in records else [])   # else: no /proc to read
+                self.before_init = [(rank, here.pids.get(rank)) for rank in gone
+                                    if rank in before]
+                if (self.died or self.before_init) and not self._survivors:
                     lost_at = now
             if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
                     or (lost_at is not None and now - lost_at > LOST_GRACE)):
@@ -242,21 +257,32 @@ def _send(kill, pid: int, number: int) -> None:
         pass
 
 
-class _Stderr:
-    """Copies the launcher's stderr to ours as it comes, noting whether it said ``words``."""
+class _Copy:
+    """Copies one of the launcher's streams to ``target`` (ours) as it comes, noting whether
+    it said ``words``, and what it said of a rank that a signal ended (hydra's "Killed
+    (signal 9)", on its stdout). A copy that cannot be written (our stream closed) still
+    drains the launcher's, which must not block on a full pipe."""
 
-    def __init__(self, pipe, words: bytes) -> None:
+    def __init__(self, pipe, target, words: bytes) -> None:
         self.said = False
-        self._pipe, self._words = pipe, words
+        self.killed = ""
+        self._pipe, self._target, self._words = pipe, target, words
         self._thread = threading.Thread(target=self._copy, daemon=True)
         self._thread.start()
 
     def _copy(self) -> None:
         last = b""
         for chunk in iter(lambda: os.read(self._pipe.fileno(), 1 << 16), b""):
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.buffer.flush()
-            self.said = self.said or self._words in last[-len(self._words):] + chunk
+            try:
+                self._target.buffer.write(chunk)
+                self._target.buffer.flush()
+            except (OSError, ValueError):
+                pass
+            seen = last[-200:] + chunk
+            self.said = self.said or self._words in seen
+            killed = _KILLED.search(seen)
+            if killed and not self.killed:
+                self.killed = killed[1].decode(errors="replace")
             last = chunk
 
     def finish(self) -> None:
@@ -287,14 +313,19 @@ def _ranks(ranks: List[int]) -> str:
 
 def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = "mpiexec",
             stopped_by: Optional[int] = None, died: Sequence[int] = (),
-            launcher_failed: bool = False, strays: Sequence[dict] = ()) -> Tuple[int, str]:
+            launcher_failed: bool = False, strays: Sequence[dict] = (),
+            killed: str = "",
+            before_init: Sequence[Tuple[int, Optional[int]]] = ()) -> Tuple[int, str]:
     """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
     left ``records`` (:func:`cupycomm.run.exit_records.read`) and whose launcher exited with
     ``returncode`` (negative: killed by that signal); ``died``: ranks seen dead while the
     job ran (named first: the others were killed after them); ``launcher_failed``: the
     launcher said it failed on its own at the job's end (see the module's docstring);
     ``strays``: the records of processes whose world was not the job's
-    (:func:`cupycomm.run.exit_records.read_strays`).
+    (:func:`cupycomm.run.exit_records.read_strays`); ``killed``: what the launcher said of a
+    rank that a signal ended ("Killed (signal 9)": hydra's status is then 9);
+    ``before_init``: (rank, pid or None: never seen) of the ranks on this host seen gone
+    before they recorded anything (:mod:`cupycomm.run.ranks`), while the job went on.
 
     Example::
 
@@ -308,6 +339,15 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
     if stopped_by is not None:
         return 128 + stopped_by, (f"cupycomm.run: stopped by {signal.Signals(stopped_by).name}, "
                                   f"forwarded to the job; {exited}")
+    if before_init:
+        gone, pid = before_init[0]
+        others = [rank for rank, _ in before_init[1:]]
+        where = socket.gethostname() + (f", pid {pid}" if pid is not None else "")
+        too = f"; {_ranks(others)} too" if others else ""
+        return status or 1, (
+            f"cupycomm.run: rank {gone} (host {where}) ended before calling cupycomm.init() "
+            f"(its output says why), while the other ranks waited for it (in MPI_Init or "
+            f"init()){too}; {exited}")
     written = [r for r in records if r is not None]
     if not written and strays:
         sizes = sorted({s["size"] for s in strays})
@@ -333,6 +373,9 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
         if status and launcher_failed and returncode > 0:
             return 0, (f"cupycomm.run: every rank reached its end; {exited} after failing on "
                        f"its own as the job ended (hydra's race with its exiting proxies)")
+        if status and killed:
+            return status, (f"cupycomm.run: every rank reached its end, but then a rank was "
+                            f"ended by a signal ({launcher} said: {killed}); {exited}")
         if status:
             return status, (f"cupycomm.run: every rank reached its end, but {exited} (a rank "
                             f"called sys.exit with a non-zero code?)")
@@ -411,16 +454,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     own_failure = _OWN_FAILURE.get(launcher.kind)
     forwarder = _Forwarder(_STOP.get(launcher.kind, signal.SIGKILL), options.survivors)
     try:
-        child = subprocess.Popen(argv_, env=env, start_new_session=True,
-                                 stderr=subprocess.PIPE if own_failure else None)
-        stderr = _Stderr(child.stderr, own_failure) if own_failure else None
+        piped = subprocess.PIPE if own_failure else None
+        child = subprocess.Popen(argv_, env=env, start_new_session=True, stdout=piped,
+                                 stderr=piped)
+        copies = ([_Copy(child.stdout, sys.stdout, own_failure),
+                   _Copy(child.stderr, sys.stderr, own_failure)] if own_failure else [])
         returncode = forwarder.wait(child, directory, options.n)
-        if stderr is not None:
-            stderr.finish()
+        for copy in copies:
+            copy.finish()
         status, line = verdict(directory.read(options.n), returncode,
                                os.path.basename(launcher.executable), forwarder.signal,
-                               forwarder.died, stderr is not None and stderr.said,
-                               directory.read_strays())
+                               forwarder.died, any(copy.said for copy in copies),
+                               directory.read_strays(),
+                               next((copy.killed for copy in copies if copy.killed), ""),
+                               forwarder.before_init)
     finally:
         forwarder.restore()
         directory.remove()

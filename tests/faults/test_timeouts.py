@@ -11,6 +11,8 @@ import pytest
 
 from fault_jobs import LAUNCHER, ended_quickly, run
 
+from cupycomm.testing import no_auto_cleanup, run_mpiexec
+
 pytestmark = pytest.mark.mpi(max_size=1)
 
 
@@ -70,3 +72,48 @@ def test_a_device_first_call_beside_a_host_one_is_reported_truthfully():
                          job.output), job.output
     assert re.search(r"rank 0 is at #0, blocked in init_device #1|rank 1 is blocked in "
                      r"all_reduce #1", job.output), job.output
+
+
+DEAD_PEER = """
+import os, time, cupycomm
+comm = cupycomm.init()
+if comm.rank == 1:
+    time.sleep(1); os._exit(0)
+comm.barrier()
+"""
+
+
+@pytest.mark.parametrize("timeout", ["inf", "1e10"])
+def test_no_timeout_still_ends_a_job_whose_peer_died(tmp_path, timeout):
+    """CUPYCOMM_TIMEOUT=inf (no timeout) or a huge one: the watchdog lives on, and a dead
+    peer still ends the job within seconds."""
+    script = tmp_path / "dead_peer.py"
+    script.write_text(DEAD_PEER)
+    job = run_mpiexec(2, str(script), timeout=60, mpiexec_args=no_auto_cleanup(),
+                      env={"CUPYCOMM_TIMEOUT": timeout})
+    ended_quickly(job)
+    assert job.returncode != 0
+    assert "rank 1 of communicator world" in job.output and "has died" in job.output, \
+        job.output
+
+
+EXITS_BEFORE_INIT = """
+import sys
+from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 1:
+    sys.exit(3)   # MPI started, cupycomm never: MPICH keeps it in MPI_Finalize
+import numpy as np, cupycomm
+cupycomm.init().all_reduce(np.ones(2))
+"""
+
+
+def test_inits_first_collective_is_watched(tmp_path):
+    """A rank that exits after MPI started but before cupycomm.init() leaves its peers in
+    init's first collective: it ends within the timeout, naming init."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS_BEFORE_INIT)
+    job = run_mpiexec(3, str(script), timeout=60, mpiexec_args=no_auto_cleanup(),
+                      env={"CUPYCOMM_TIMEOUT": "3"})
+    ended_quickly(job, bound=20)
+    assert job.returncode != 0
+    assert "did not all reach cupycomm.init() within 3 s" in job.output, job.output

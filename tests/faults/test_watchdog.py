@@ -21,6 +21,7 @@ from cupycomm.faults.abort import abort_job
 from cupycomm.faults.heartbeat import Departure
 from cupycomm.faults.watchdog import GRACE, HOLD_MARGIN, Tracker, _Watchdog, unwatch
 from cupycomm.backends.mpi import PREPARED, MPIBackend
+from cupycomm.work import poll_until
 
 pytestmark = pytest.mark.mpi(max_size=1)
 
@@ -439,6 +440,44 @@ def test_the_backstop_is_armed_only_while_a_call_waits(monkeypatch):
     busy.busy = None
     dog.arm_backstop([t for t in (idle, busy) if t.check(1.0)])
     assert armed[-1] is None and not dog.armed
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10], ids=["inf", "1e10"])
+def test_no_timeout_arms_a_backstop_faulthandler_takes(timeout):
+    """inf (no timeout) or a very large one: the backstop is clamped to a limit that
+    faulthandler takes (past its C timer's bound it raises OverflowError)."""
+    dog = _Watchdog()
+    waiting = Tracker("forever", 0, 2, timeout=timeout)
+    waiting.busy = "barrier"
+    try:
+        dog.arm_backstop([waiting])
+        assert dog.armed
+    finally:
+        dog.arm_backstop([])
+    assert not dog.armed
+
+
+def test_the_watchdog_thread_outlives_an_exception_in_a_look(capfd):
+    """A look that raises is reported, and the thread looks again."""
+    looks = []
+
+    class Fails:
+        timeout = 1.0
+
+        def check(self, now):
+            looks.append(now)
+            if len(looks) == 1:
+                raise RuntimeError("a deliberate failure in a look")
+            return False
+
+    item, dog = Fails(), _Watchdog()
+    dog.watched.add(item)
+    dog.start()
+    assert poll_until(lambda: len(looks) >= 3, timeout=10), looks
+    assert dog.is_alive()
+    dog.watched.discard(item)
+    err = capfd.readouterr().err
+    assert "cupycomm watchdog: a look failed" in err and "a deliberate failure" in err, err
 
 
 def test_abort_job_reports_where_it_is_told(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -450,3 +451,127 @@ def test_a_job_directory_swapped_under_its_name_is_not_read(tmp_path):
     forged = [p for p in tmp_path.iterdir() if p.name.startswith(".cupycomm-run-")
               and not p.name.endswith(".away")]
     assert [p.name for p in forged[0].iterdir()] == ["rank-0.json"], "not ours to remove"
+
+
+XFAIL_LAST = """
+import pytest
+
+def test_a(cupycomm_comm):
+    cupycomm_comm.barrier()
+
+@pytest.mark.xfail
+def test_x():
+    assert 1 == 2
+"""
+
+
+def test_a_passing_session_whose_last_test_was_an_xfail_ends_0(tmp_path):
+    """pytest sets sys.last_value for an exception it handled (an xfail): the exit record
+    says "raised" only for an exception that ended the program."""
+    (tmp_path / "test_x.py").write_text(XFAIL_LAST)
+    job = run_job(2, "-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider", "test_x.py",
+                  timeout=BOUND, cwd=str(tmp_path))
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    assert "1 passed, 1 xfailed" in job.stdout, job.output
+
+
+def test_an_exception_is_the_reason_given_without_the_abort_handler(tmp_path):
+    (tmp_path / "job.py").write_text(RAISES)
+    job = run_job(2, "job.py", timeout=BOUND, cwd=str(tmp_path),
+                  env={"CUPYCOMM_ABORT_ON_EXCEPTION": "0"})
+    assert job.returncode != 0, job.output
+    assert "rank 1 (host" in job.stderr and "raised RuntimeError: deliberate failure on rank 1" \
+        in job.stderr.strip().splitlines()[-1], job.output
+
+
+FORKS = """
+import atexit, json, os, sys, time, numpy as np, cupycomm
+comm = cupycomm.init(); comm.all_reduce(np.ones(2))
+if comm.rank == 1:
+    time.sleep(0.35)
+    child = os.fork()
+    if child == 0:       # a helper process whose exception escapes, then ends normally:
+        try:
+            raise RuntimeError("a helper's own failure")
+        except RuntimeError:
+            sys.excepthook(*sys.exc_info())
+        atexit._run_exitfuncs()   # as sys.exit does; but not mpi4py's MPI_Finalize, which
+        os._exit(0)               # waits forever in a child (MPICH), with cupycomm or not
+    os.waitpid(child, 0)
+    with open(os.path.join(os.environ["CUPYCOMM_RUN_DIR"], "rank-1.json")) as f:
+        record = json.load(f)
+    print("record of", record["pid"], record["state"], "rank pid", os.getpid(), flush=True)
+    time.sleep(4)            # rank 1 alive and busy
+comm.barrier()
+"""
+
+
+def test_a_forked_child_that_ends_is_not_the_rank(tmp_path):
+    """A child forked from rank 1 raises, then runs its exit hooks: they do nothing to the
+    job (no abort, no board row left, no record overwritten, no lock of the watchdog
+    waited for)."""
+    code, out, err = cupycomm_run(tmp_path, FORKS, 2, "job.py")
+    assert code == 0, out + err
+    pid = re.search(r"rank pid (\d+)", out)
+    assert pid and f"record of {pid[1]} running" in out, out + err
+
+
+def test_a_rank_a_signal_ended_after_its_end_is_reported_as_a_kill():
+    ended = [record(0, "ended"), record(1, "ended")]
+    assert launch.verdict(ended, 9, killed="Killed (signal 9)") == (
+        9, "cupycomm.run: every rank reached its end, but then a rank was ended by a signal "
+           "(mpiexec said: Killed (signal 9)); mpiexec exited 9")
+
+
+KILLED_AFTER_ITS_END = """
+import atexit, os, signal, numpy as np
+from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 1:   # runs after cupycomm's exit hooks, which come later
+    atexit.register(os.kill, os.getpid(), signal.SIGKILL)
+import cupycomm
+cupycomm.init().all_reduce(np.ones(2))
+"""
+
+
+@pytest.mark.skipif(launchers.find().kind != "hydra", reason="hydra's words for a signal")
+def test_hydras_killed_rank_is_named_a_kill(tmp_path):
+    code, out, err = cupycomm_run(tmp_path, KILLED_AFTER_ITS_END, 2, "job.py")
+    assert code != 0, out + err
+    line = err.strip().splitlines()[-1]
+    assert "a rank was ended by a signal (mpiexec said: Killed (signal 9))" in line, err
+    assert "sys.exit" not in line, err
+
+
+BEFORE_INIT = """
+import os, sys
+if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
+    open("/nonexistent/shard-1.npy")   # a missing file, before anything of MPI
+import numpy as np, cupycomm
+cupycomm.init().all_reduce(np.ones(2))
+"""
+
+
+def test_a_rank_that_fails_before_init_ends_the_job_within_seconds(tmp_path):
+    """Its peers wait for it in MPI_Init (hydra, with -disable-auto-cleanup, waits too): the
+    parent sees its process gone, ends the job and names it. Open MPI's launcher ends such a
+    job itself, naming the rank and its exit code."""
+    start = time.monotonic()
+    code, out, err = cupycomm_run(tmp_path, BEFORE_INIT, 3, "job.py")
+    assert time.monotonic() - start < 20, out + err
+    assert code != 0, out + err
+    if launchers.find().kind == "openmpi":   # it ends the job itself, naming the rank
+        assert re.search(r"exited with non-zero status.*Process name: *\[\S+,1\]"
+                         r".*Exit code: *1", err, re.DOTALL), err
+    else:
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("cupycomm.run: rank 1 (host "), err
+        assert "ended before calling cupycomm.init()" in line, line
+    no_job_directory(tmp_path)
+
+
+def test_a_rank_gone_before_init_is_the_first_cause():
+    assert launch.verdict([None, None, None], -9, before_init=[(1, None), (2, 42)])[1] \
+        .startswith(f"cupycomm.run: rank 1 (host {socket.gethostname()}) ended before calling "
+                    "cupycomm.init() (its output says why), while the other ranks waited for "
+                    "it (in MPI_Init or init()); rank 2 too; mpiexec was killed by signal 9")
