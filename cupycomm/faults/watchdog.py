@@ -85,6 +85,7 @@ from .flight import Recorder
 from .abort import abort_job, report_stream
 from .board import BUSY, BUSY_SEQ, CLOSED, LEFT, LEFT_AT, PID, RANK, SEQ, NodeBoard
 from .heartbeat import Heartbeats
+from ..errors import SharedFileRefused
 from ..run import exit_records
 from ..survivors import policy
 from ..survivors.lost import known_lost
@@ -450,6 +451,13 @@ def _not_started(comm: MPI.Comm) -> str:
     directory = _env.read("CUPYCOMM_RUN_DIR")
     if not directory or comm.Get_size() != _env.read("CUPYCOMM_RUN_SIZE"):
         return ""
-    records = exit_records.read(directory, comm.Get_size())
+    try:
+        job = exit_records.JobDirectory(directory)
+    except (OSError, SharedFileRefused):   # gone, or not this user's: nothing to say
+        return ""
+    try:
+        records = job.read(comm.Get_size())
+    finally:
+        job.close()
     missing = [rank for rank, record in enumerate(records) if record is None]
     return f"; ranks {missing} never called it (cupycomm.run's records)" if missing else ""

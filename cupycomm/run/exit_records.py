@@ -160,7 +160,11 @@ class JobDirectory:
                  if name.startswith("stray-") and name.endswith(".json"))
         return [record for record in found if record is not None]
 
+    def close(self) -> None:
+        """Let go of it, leaving it there (a rank that only read it)."""
+        os.close(self._fd)
+
     def remove(self) -> None:
         """Remove the directory and its records; let go of it."""
         private.remove(self.path, self._fd)
-        os.close(self._fd)
+        self.close()
