@@ -292,3 +292,32 @@ def test_no_auto_cleanup_is_for_hydra_only_among_mpiexecs(tmp_path):
 def test_run_mpiexec_rejects_bad_arguments(bad):
     with pytest.raises(ValueError, match="run_mpiexec"):
         run_mpiexec(bad["n"], "-c", "pass", timeout=bad["timeout"])
+
+
+ROUND_LOOKS = """
+import time
+from mpi4py import MPI
+from cupycomm import work
+from cupycomm.testing._exchange import Point, Rounds
+
+rounds = Rounds(MPI.COMM_WORLD.Dup())
+rounds.exchange(Point.SETUP)
+if rounds.rank == 0:
+    time.sleep(1)   # every other rank's record has arrived by now
+sleeps = []
+work.time = type("Clock", (), {"monotonic": time.monotonic,
+                               "sleep": lambda s: (sleeps.append(s), time.sleep(s))})
+rounds.exchange(Point.END, 1)
+if rounds.rank == 0:
+    print(f"rank 0 slept {len(sleeps)} times")
+"""
+
+
+def test_a_round_whose_records_are_there_completes_without_sleeping(tmp_path):
+    """Rank 0 takes in the records that have arrived without a sleep between them: MPICH
+    completes about one message a look, and a sleep (up to 10 ms) after each made a round
+    at 16 ranks on 2 cores take 100 ms (benchmarks/plugin_cost.py)."""
+    (tmp_path / "round.py").write_text(ROUND_LOOKS)
+    job = run_mpiexec(8, "round.py", timeout=90, cwd=str(tmp_path))
+    assert job.returncode == 0, job.output
+    assert "rank 0 slept 0 times" in job.stdout, job.output
