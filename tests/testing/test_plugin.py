@@ -196,6 +196,57 @@ def test_in_one_process_the_plugin_adds_only_its_header(pytester):
     assert " of 1 -" not in result.stdout.str()    # no rank sections in the report
 
 
+SKIPS = """
+import pytest
+
+@pytest.mark.parametrize("i", range(3))
+@pytest.mark.skip(reason="no GPU: none here (run on a GPU machine)")
+def test_gpu(i):
+    pass
+
+@pytest.mark.skip(reason="torch is not installed (pip install torch)")
+def test_torch():
+    pass
+
+@pytest.mark.mpi(n=2)
+def test_two():
+    pass
+
+def test_runs():
+    pytest.skip("needs Open MPI; this is MPICH")
+"""
+
+
+def test_a_pass_says_in_one_line_why_its_tests_skipped(pytester):
+    """Without -rs, one line groups the skips by the head of their reason (before the first
+    ':', '(', ';' or ','), most first: a suite with thousands of skips says why."""
+    pytester.makepyfile(test_skips=SKIPS)
+    result = pytester.runpytest("--mpi-isolated=no", "test_skips.py")
+    result.assert_outcomes(skipped=6)
+    result.stdout.fnmatch_lines(["cupycomm.testing: 6 skipped: no GPU 3, needs Open MPI 1, "
+                                 "runs on 2 MPI ranks 1, torch is not installed 1 "
+                                 "(-rs lists each)"])
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_under_mpiexec_rank_0_says_why_tests_skipped(n):
+    """The reason as every rank's, without the ranks that the report names."""
+    job = run_cases(n, "case_outcomes.py", "-q", "-k", "skip_in_setup")
+    assert job.returncode == 0, job.output
+    assert ("cupycomm.testing: 1 skipped: deliberately skipped on the last rank only 1 "
+            "(-rs lists each)") in job.stdout.splitlines(), job.output
+
+
+def test_the_plugin_leaves_no_file_open():
+    """Python's development mode reports every file still open at exit (ResourceWarning):
+    the non-zero ranks' quiet terminal, every rank's stream for abort messages."""
+    job = run_mpiexec(3, "-X", "dev", "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                      "case_outcomes.py", "-k", "passes", timeout=90, cwd=str(CASES),
+                      mpiexec_args=no_auto_cleanup())
+    assert job.returncode == 0, job.output
+    assert "ResourceWarning" not in job.output, job.output
+
+
 def test_timeouts_come_from_the_marker_the_option_the_ini_value(pytester):
     pytester.makepyfile("""
         import pytest
