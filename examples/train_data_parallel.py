@@ -8,7 +8,8 @@ stream (passed through on CPUs); the gradients are averaged across ranks with th
 all_reduce (op="avg", asynchronously: the reduction of the second layer's gradients runs while
 the first layer's are computed). Rank 0 reports the loss per epoch (a progress bar on a
 terminal, else a line per epoch) and, at the end, checks that the parameters equal those of
-single-process training on the same global batches, within float tolerance. The same file runs on GPUs unchanged (comm.xp).
+single-process training on the same global batches, within float tolerance. The same file
+runs on GPUs unchanged (comm.xp).
 """
 import argparse
 import sys
