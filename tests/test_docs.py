@@ -120,6 +120,17 @@ def test_the_self_check_passes_as_the_readme_runs_it(tmp_path):
     assert "self-check passed" in job.stdout
 
 
+def test_no_shell_block_pasted_whole_installs_two_cupys():
+    """A block of commands is pasted whole: one that installs the cuda12 and the cuda13 extra
+    leaves two CuPys, and CuPy warns on every import on every rank. One block per choice."""
+    for page in PAGES:
+        for line, info, text in snippets(page):
+            installs = [row for row in text.splitlines() if "pip install" in row]
+            extras = {e for row in installs for e in re.findall(r"cuda1\d", row.split("#")[0])}
+            assert len(extras) <= 1, (f"{page.relative_to(ROOT)}:{line}: one block installs "
+                                      f"{sorted(extras)}: give each its own block")
+
+
 # -- snippets -------------------------------------------------------------------------------------------
 def test_the_pages_have_python_snippets():
     """The parser finds the snippets (else the test below would check nothing)."""
