@@ -131,6 +131,17 @@ def test_no_shell_block_pasted_whole_installs_two_cupys():
                                       f"{sorted(extras)}: give each its own block")
 
 
+def test_the_benchmarks_page_lists_every_committed_gpu_run():
+    """Each run kept in benchmarks/results/gpu_* has its row (docs/guide/benchmarks.md's GPU
+    runs), and the page says no more that none was made."""
+    page = (ROOT / "docs" / "guide" / "benchmarks.md").read_text()
+    runs = sorted(p.name for p in (ROOT / "benchmarks" / "results").glob("gpu_*"))
+    missing = [run for run in runs if f"`{run}`" not in page]
+    assert not missing, f"docs/guide/benchmarks.md does not list the GPU runs {missing}"
+    if runs:
+        assert "never run on a GPU" not in page and "not measured yet" not in page
+
+
 # -- snippets -------------------------------------------------------------------------------------------
 def test_the_pages_have_python_snippets():
     """The parser finds the snippets (else the test below would check nothing)."""
