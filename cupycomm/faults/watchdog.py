@@ -312,9 +312,9 @@ class Tracker:
             parts.append(f"the ranks called different collectives: {'; '.join(elsewhere)}")
         text = "; ".join(parts) or "every rank on this node has arrived"
         here = {int(row[RANK]) for row in self.board.rows}
-        elsewhere = [rank for rank in range(self.size) if rank not in here]
-        if elsewhere:   # the heartbeats carry departures, not how far each rank got
-            text += f"; ranks on other nodes, not known here: {elsewhere}"
+        remote = [rank for rank in range(self.size) if rank not in here]
+        if remote:   # the heartbeats carry departures, not how far each rank got
+            text += f"; ranks on other nodes, not known here: {remote}"
         return late, text
 
 
