@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cupycomm.run import launchers
 from cupycomm.testing import launch_environment, no_auto_cleanup, run_mpiexec
 from cupycomm.testing._session import TIMEOUT, worst_exit_status
 
@@ -367,7 +368,10 @@ if rounds.rank == 0:
 def test_a_round_whose_records_are_there_completes_without_sleeping(tmp_path):
     """Rank 0 takes in the records that have arrived without a sleep between them: MPICH
     completes about one message a look, and a sleep (up to 10 ms) after each made a round
-    at 16 ranks on 2 cores take 100 ms (benchmarks/plugin_cost.py)."""
+    at 16 ranks on 2 cores take 100 ms (benchmarks/plugin_cost.py). Open MPI's rank 0 still
+    sleeps a few times here, before this change too: its sends complete as it progresses."""
+    if launchers.find().kind != "hydra":
+        pytest.skip("MPICH's progress engine (one message a look) is what this measures")
     (tmp_path / "round.py").write_text(ROUND_LOOKS)
     job = run_mpiexec(8, "round.py", timeout=90, cwd=str(tmp_path))
     assert job.returncode == 0, job.output
