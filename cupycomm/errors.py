@@ -24,7 +24,8 @@ class CollectiveTimeout(TimeoutError):
     """A collective did not complete within its timeout.
 
     ``collective`` names it, ``seq`` is its sequence number on the communicator and
-    ``missing`` lists the ranks known not to have arrived (empty when unknown).
+    ``missing`` lists the ranks of this node known not to have arrived (empty when
+    unknown); the message lists the ranks on other nodes as not known here.
     """
 
     def __init__(self, message: str, *, collective: str = "", seq: int = -1,

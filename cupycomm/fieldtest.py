@@ -31,6 +31,7 @@ run. ``python -m cupycomm`` exits 2 on a bad command line or a file it cannot wr
 """
 from __future__ import annotations
 
+import ctypes.util
 import datetime
 import importlib
 import json
@@ -123,7 +124,10 @@ def _gpu_of(comm: cupycomm.Communicator, cupy: Any, why: str) -> Dict[str, Any]:
     try:
         visible = cupy.cuda.runtime.getDeviceCount()
     except Exception as error:   # no driver, no device
-        return {"found": False, "why": f"CUDA: {type(error).__name__}: {error}", "visible": 0}
+        # CUDA's runtime says "driver version is insufficient" where there is no driver at all
+        said = (f"{type(error).__name__}: {error}" if ctypes.util.find_library("cuda")
+                else "no CUDA driver on this machine (no libcuda)")
+        return {"found": False, "why": f"CUDA: {said}", "visible": 0}
     device = comm.device
     if device is None:
         return {"found": False, "visible": visible, "why": "CUDA sees no device "
@@ -152,6 +156,11 @@ def _topology(comm: cupycomm.Communicator, gpu: Dict[str, Any]) -> Dict[str, Any
             ranks_per_gpu[rank["gpu"]] = ranks_per_gpu.get(rank["gpu"], 0) + 1
     return {"ranks": comm.size, "nodes": len(gpus_per_node), "gpus_per_node": gpus_per_node,
             "ranks_per_gpu": ranks_per_gpu, "per_rank": ranks}
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _sharing_notes(topology: Dict[str, Any]) -> List[str]:
@@ -422,13 +431,14 @@ def run(comm: cupycomm.Communicator, path: str, *, device_module: Any = None,
         status = run(cupycomm.init(), "report.json")
     """
     say = (lambda line: print(line, flush=True)) if comm.rank == 0 else (lambda line: None)
-    say(f"cupycomm {cupycomm.__version__} field-test report on {comm.size} ranks")
+    say(f"cupycomm {cupycomm.__version__} field-test report on {_counted(comm.size, 'rank')}")
     found = report(comm, device_module=device_module, bench_bytes=bench_bytes,
                    bench_iters=bench_iters, say=say)
     versions = found["versions"]
     say("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     topology = found["topology"]
-    say(f"topology: {topology['nodes']} nodes, GPUs per node {topology['gpus_per_node']}, "
+    say(f"topology: {_counted(topology['nodes'], 'node')}, GPUs per node "
+        f"{topology['gpus_per_node']}, "
         f"ranks per GPU {topology['ranks_per_gpu'] or 'none'}")
     if not found["gpu"]["found"]:
         say(f"NO GPU FOUND ({found['gpu']['why']}): only the host lines ran")

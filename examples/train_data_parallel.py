@@ -6,9 +6,10 @@ Each rank holds an equal shard of a synthetic data set. Rank 0's initial paramet
 broadcast to every rank; each rank's batches are prefetched to its device on a background
 stream (passed through on CPUs); the gradients are averaged across ranks with the coalesced
 all_reduce (op="avg", asynchronously: the reduction of the second layer's gradients runs while
-the first layer's are computed). Rank 0 reports the loss per epoch with a progress bar and,
-at the end, checks that the parameters equal those of single-process training on the same
-global batches, within float tolerance. The same file runs on GPUs unchanged (comm.xp).
+the first layer's are computed). Rank 0 reports the loss per epoch (a progress bar on a
+terminal, else a line per epoch) and, at the end, checks that the parameters equal those of
+single-process training on the same global batches, within float tolerance. The same file
+runs on GPUs unchanged (comm.xp).
 """
 import argparse
 import sys
@@ -84,13 +85,15 @@ def train(comm, epochs, batch_count, lr):
             for param, grad in zip(params, grads):
                 param -= lr * grad
         loss = comm.all_reduce(np.array([np.mean(losses)]), op="avg")[0]
-        if comm.rank == 0:
-            done = (epoch + 1) * 30 // epochs
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] epoch {epoch + 1}/{epochs} "
-                             f"loss {loss:.4f}")
-            sys.stderr.flush()
-            if epoch + 1 == epochs:
-                sys.stderr.write("\n")
+        if comm.rank == 0:   # on stdout, the result's stream, so the two never interleave
+            if sys.stdout.isatty():   # a bar, redrawn
+                done = (epoch + 1) * 30 // epochs
+                sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] epoch {epoch + 1}/"
+                                 f"{epochs} loss {loss:.4f}" + ("\n" if epoch + 1 == epochs
+                                                                else ""))
+            else:   # a log: a line per epoch
+                sys.stdout.write(f"epoch {epoch + 1}/{epochs} loss {loss:.4f}\n")
+            sys.stdout.flush()
     return [np.asarray(p.get() if hasattr(p, "get") else p) for p in params], loss
 
 
@@ -124,7 +127,8 @@ def main(argv=None):
         reference = train_in_one_process(comm.size, args.epochs, args.batches, args.lr)
         worst = max(float(np.max(np.abs(p - r))) for p, r in zip(params, reference))
         assert worst < 1e-9, f"data-parallel parameters differ from one process by {worst:g}"
-        print(f"trained on {comm.size} ranks for {args.epochs} epochs: loss {loss:.4f}; "
+        ranks = f"{comm.size} rank{'s' if comm.size > 1 else ''}"
+        print(f"trained on {ranks} for {args.epochs} epochs: loss {loss:.4f}; "
               f"parameters equal single-process training (max difference {worst:.1e})")
 
 

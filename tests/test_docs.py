@@ -11,10 +11,15 @@ under the file name given):
 - ``# needs a GPU: <one of the above>`` (or ``# needs 2 GPUs: ...``): not run here (CI has
   no GPU), only compiled.
 
+A snippet that pytest does not run, and the README's self-check, run where pytest cannot be
+imported (:func:`without_pytest`): the README's first command installs no test extra, so
+what it documents must work without it.
+
 A Python snippet without such a line fails the test: every snippet either runs or says why
 it cannot. Shell blocks are commands to type, not run by this test, except the README's
 self-check.
 """
+import os
 import re
 import subprocess
 import sys
@@ -33,6 +38,9 @@ README = ROOT / "README.md"
 PAGES = [README] + sorted(p for p in (ROOT / "docs").rglob("*.md")
                                       if "_build" not in p.parts)
 TIMEOUT = 120
+# What the getting-started page installs holds no pytest: a module of this name, first on the
+# path, that cannot be imported stands for its absence (in the ranks too, which inherit it).
+NO_PYTEST = "raise ModuleNotFoundError(\"No module named 'pytest'\", name=__name__)\n"
 
 HEADER = re.compile(r"# (?P<gpu>needs (?:a GPU|\d+ GPUs): )?"
                     r"(?:mpiexec (?P<options>(?:-\S+ )*)-n (?P<n>\d+) )?"
@@ -65,6 +73,16 @@ def python_snippets():
                 yield pytest.param(text, id=f"{page.relative_to(ROOT)}:{line}")
 
 
+def without_pytest(directory):
+    """The variables under which no process can import pytest (a ``pytest`` and a
+    ``_pytest`` in ``directory``, first on the path, that raise as a missing one does)."""
+    (directory / "pytest.py").write_text(NO_PYTEST)
+    (directory / "_pytest").mkdir()
+    (directory / "_pytest" / "__init__.py").write_text(NO_PYTEST)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(directory),
+                                                        os.environ.get("PYTHONPATH")]))}
+
+
 # -- generated tables -------------------------------------------------------------------------------
 @pytest.mark.parametrize("table, page", [
     (dtype_table, "docs/guide/dtypes-and-ops.md"),
@@ -92,13 +110,36 @@ def test_readme_is_a_front_page_whose_links_work():
     assert not missing, f"README.md links to files that do not exist: {missing}"
 
 
-def test_the_self_check_passes_as_the_readme_runs_it():
+def test_the_self_check_passes_as_the_readme_runs_it(tmp_path):
+    """Where the README's first command installed only the mpich extra (no pytest)."""
     command = ".venv/bin/python -m cupycomm.run -n 4 -m cupycomm"
     assert command in README.read_text()
     assert command in (ROOT / "docs" / "getting-started.md").read_text()
-    job = run_job(4, "-m", "cupycomm", timeout=TIMEOUT)
+    job = run_job(4, "-m", "cupycomm", timeout=TIMEOUT, env=without_pytest(tmp_path))
     assert job.returncode == 0, job.output
     assert "self-check passed" in job.stdout
+
+
+def test_no_shell_block_pasted_whole_installs_two_cupys():
+    """A block of commands is pasted whole: one that installs the cuda12 and the cuda13 extra
+    leaves two CuPys, and CuPy warns on every import on every rank. One block per choice."""
+    for page in PAGES:
+        for line, info, text in snippets(page):
+            installs = [row for row in text.splitlines() if "pip install" in row]
+            extras = {e for row in installs for e in re.findall(r"cuda1\d", row.split("#")[0])}
+            assert len(extras) <= 1, (f"{page.relative_to(ROOT)}:{line}: one block installs "
+                                      f"{sorted(extras)}: give each its own block")
+
+
+def test_the_benchmarks_page_lists_every_committed_gpu_run():
+    """Each run kept in benchmarks/results/gpu_* has its row (docs/guide/benchmarks.md's GPU
+    runs), and the page says no more that none was made."""
+    page = (ROOT / "docs" / "guide" / "benchmarks.md").read_text()
+    runs = sorted(p.name for p in (ROOT / "benchmarks" / "results").glob("gpu_*"))
+    missing = [run for run in runs if f"`{run}`" not in page]
+    assert not missing, f"docs/guide/benchmarks.md does not list the GPU runs {missing}"
+    if runs:
+        assert "never run on a GPU" not in page and "not measured yet" not in page
 
 
 # -- snippets -------------------------------------------------------------------------------------------
@@ -147,15 +188,19 @@ def test_snippet_runs(text, tmp_path):
     compile(text, script, "exec")
     if header["gpu"]:
         return   # needs a GPU: compiled only (CI has none); the snippet says so
+    env = {}
+    if args[:2] != ["-m", "pytest"]:
+        (tmp_path / "no-test-extra").mkdir()
+        env = without_pytest(tmp_path / "no-test-extra")
     if header["n"] is None:
         job = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=TIMEOUT, env=launch_environment())
+                             text=True, timeout=TIMEOUT, env=launch_environment(env))
         assert job.returncode == 0, job.stdout + job.stderr
         return
     options = header["options"].split()
     if "-disable-auto-cleanup" in options:
         options = [o for o in options if o != "-disable-auto-cleanup"] + no_auto_cleanup()
     job = run_mpiexec(int(header["n"]), *args, timeout=TIMEOUT, cwd=str(tmp_path),
-                      mpiexec_args=options)
+                      mpiexec_args=options, env=env)
     assert not job.timed_out, job.output
     assert job.returncode == 0, job.output

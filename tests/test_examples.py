@@ -29,5 +29,11 @@ def test_data_parallel_training_equals_one_process(n, batches):
     script = str(EXAMPLES[0].parent / "train_data_parallel.py")
     job = run_job(n, script, "--epochs", "3", "--batches", batches, timeout=120)
     assert job.returncode == 0, job.output
-    assert f"trained on {n} ranks for 3 epochs" in job.stdout
+    ranks = "1 rank" if n == 1 else f"{n} ranks"
+    assert f"trained on {ranks} for 3 epochs" in job.stdout
     assert "parameters equal single-process training" in job.stdout
+    # Not a terminal: a line per epoch, then the result, in order on one stream (no \r bar)
+    lines = job.stdout.splitlines()
+    assert [line.split(" loss")[0] for line in lines[:3]] == [
+        f"epoch {e}/3" for e in (1, 2, 3)], job.stdout
+    assert lines[3].startswith("trained on") and "\r" not in job.output, job.output

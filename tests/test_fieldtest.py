@@ -2,6 +2,7 @@
 every line passes on the stand-in at any world size, an injected failure is a failed line and
 exit status 1, a feature that cannot run says why, and without a GPU the report says so and
 exits 3; the command line is run in fresh interpreters too (real CuPy, no GPU)."""
+import ctypes.util
 import json
 import subprocess
 import sys
@@ -208,8 +209,11 @@ def test_with_the_real_cupy_and_no_gpu_the_command_says_so_and_exits_3(tmp_path)
                           env=launch_environment({"CUDA_VISIBLE_DEVICES": ""}))
     assert done.returncode == 3, done.stdout + done.stderr
     assert "NO GPU FOUND" in done.stdout and "exit status 3" in done.stdout
+    assert "report on 1 rank\n" in done.stdout and "topology: 1 node," in done.stdout
     found = json.loads(path.read_text())
     assert found["gpu"]["found"] is False and found["gpu"]["why"].startswith("rank 0: CUDA")
+    if ctypes.util.find_library("cuda") is None:   # no driver here: said so, not "insufficient"
+        assert "no CUDA driver" in found["gpu"]["why"], found["gpu"]["why"]
     assert found["versions"]["cupy"] == cupy.__version__
     assert found["versions"]["mpi_library"] and found["versions"]["nccl"]
     assert found["summary"]["fail"] == 0 and found["summary"]["pass"] > 0

@@ -344,9 +344,10 @@ class Tracker:
         if elsewhere:
             parts.append(f"the ranks called different collectives: {'; '.join(elsewhere)}")
         text = "; ".join(parts) or "every rank on this node has arrived"
-        others = self.size - len(self.board.rows)
-        if others:
-            text += f"; {others} ranks on other nodes: not known here"
+        here = {int(row[RANK]) for row in self.board.rows}
+        remote = [rank for rank in range(self.size) if rank not in here]
+        if remote:   # the heartbeats carry departures, not how far each rank got
+            text += f"; ranks on other nodes, not known here: {remote}"
         return late, text
 
 

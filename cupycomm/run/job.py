@@ -59,7 +59,11 @@ LOST_GRACE = 3.0
 """Seconds the job has to end after a rank on this host died without recording its end."""
 
 USAGE = """\
-usage: python -m cupycomm.run -n N [options] [launcher options] PROGRAM
+usage: {prog} -n N [options] [launcher options] PROGRAM
+
+Starts PROGRAM on N ranks with the launcher at hand (the environment's mpiexec, or srun) and
+exits non-zero, naming the rank, if any rank did not finish: a launcher can say 0 for a job
+that lost a rank.
 
 PROGRAM is script.py [args], -m module [args], or -- command [args] (anything else).
 Arguments between the options below and PROGRAM go to the launcher as they are.
@@ -68,16 +72,24 @@ options:
   -n N, -np N        the number of ranks
   --timeout S        every rank's collective timeout, in seconds (CUPYCOMM_TIMEOUT)
   --debug            every rank checks that all call each collective alike (CUPYCOMM_DEBUG)
-  --survivors        let ranks go on past a lost one (for init(on_peer_loss="raise"): Open
-                     MPI's --with-ft ulfm ...); the job then succeeds if every rank that
-                     did not finish was gone on without (comm.shrink()) by all that did
+  --survivors        for programs that go on past a lost rank (init(on_peer_loss="raise")):
+                     starts the launcher so (Open MPI 5's --with-ft ulfm ...); the job then
+                     succeeds if the ranks that finished went on without every rank that
+                     did not (comm.shrink())
   --prefix-output    prefix each line of output with its rank (the launcher's option)
   --mpiexec PATH     the launcher (default: $MPIEXEC, the mpiexec beside this Python, PATH)
   --job-dir DIR      where the job's directory goes: a directory every node sees
                      (default: the current directory)
   -h, --help         this text
+
+exit status:
+  0                  every rank finished
+  1                  a rank did not finish though the launcher said 0 (else the launcher's
+                     own status, which a line on stderr explains)
+  2                  a command line that cannot be run (the line says why)
+  128 + N            stopped by signal N (Ctrl-C: 130), forwarded to the job
 """
-"""The text of ``--help``."""
+"""The text of ``--help`` (``{prog}``: how the tool was called)."""
 
 # The launchers' options for rank-prefixed output, and how one passes a variable to ranks on
 # other nodes (Open MPI passes only the variables it is told to; the others pass them all).
@@ -89,6 +101,10 @@ _EXPORT: Dict[str, str] = {"openmpi": "-x"}
 # back no allocation it made (the job stays RUNNING with no task, unless InactiveLimit is set);
 # on SIGTERM it ends its tasks and gives the allocation back.
 _STOP: Dict[str, int] = {"srun": signal.SIGTERM}
+# The variables without which a launcher refuses to run as root (prterun: "prterun has
+# detected an attempt to run as root"), each set to 1.
+_ROOT_CONSENT: Dict[str, Tuple[str, ...]] = {
+    "openmpi": ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")}
 # What a launcher prints when it fails on its own at the end of a job that finished (above).
 _OWN_FAILURE: Dict[str, bytes] = {"hydra": b"unable to send SIGUSR1 downstream"}
 # How hydra says that a signal ended a rank (its exit status is then the signal's number).
@@ -428,19 +444,43 @@ def _job_directory(parent: Optional[str]) -> exit_records.JobDirectory:
     return exit_records.JobDirectory(tempfile.mkdtemp(prefix=".cupycomm-run-", dir=where))
 
 
+def _prog() -> str:
+    """How the user called this tool: ``cupycomm-run`` or ``python -m cupycomm.run``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return name if name == "cupycomm-run" else "python -m cupycomm.run"
+
+
+class _Refused(Exception):
+    """A command line that parses but cannot run here; the message says why, in one line."""
+
+
+def _check(options: Options, launcher: launchers.Launcher) -> None:
+    if options.survivors and not launchers.KINDS[launcher.kind].survivors:
+        raise _Refused(f"--survivors: {launcher.executable} ({launcher.kind}) cannot let "
+                       f"ranks go on past a lost one; Open MPI 5's mpiexec can")
+    consent = _ROOT_CONSENT.get(launcher.kind, ())
+    if (consent and os.geteuid() == 0 and not all(name in os.environ for name in consent)
+            and "--allow-run-as-root" not in options.launcher_args):
+        raise _Refused(f"{launcher.executable} ({launcher.kind}) refuses to run as root: "
+                       f"set {' '.join(f'{name}=1' for name in consent)} (or pass "
+                       f"--allow-run-as-root)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the job that ``argv`` (default: ``sys.argv[1:]``) describes; return its status."""
     try:
         options = parse(sys.argv[1:] if argv is None else argv)
         launcher = launchers.find(options.mpiexec)
-        if options.survivors and not launchers.KINDS[launcher.kind].survivors:
-            raise UsageError(f"--survivors: {launcher.executable} ({launcher.kind}) cannot let "
-                             f"ranks go on past a lost one; Open MPI 5's mpiexec can")
+        _check(options, launcher)
         directory = _job_directory(options.job_dir)
     except UsageError as why:
-        sys.stderr.write(f"{USAGE}\ncupycomm.run: {why}\n" if str(why) else USAGE)
-        return 2 if str(why) else 0
-    except (FileNotFoundError, SharedFileRefused) as why:
+        usage = USAGE.format(prog=_prog())
+        if not str(why):
+            sys.stdout.write(usage)
+            return 0
+        sys.stderr.write(f"{usage}\ncupycomm.run: {why}\n")
+        return 2
+    except (_Refused, FileNotFoundError, SharedFileRefused) as why:
         sys.stderr.write(f"cupycomm.run: {why}\n")
         return 2
     variables = {"CUPYCOMM_RUN_DIR": directory.path, "CUPYCOMM_RUN_SIZE": str(options.n)}

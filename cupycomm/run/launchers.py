@@ -142,7 +142,8 @@ class Launcher:
         kind: ``"hydra"`` (MPICH), ``"openmpi"`` (Open MPI / PRRTE), ``"intelmpi"``,
             ``"srun"`` or ``"other"``.
         executable: the absolute path of mpiexec / mpirun / srun.
-        version: the first line its ``--version`` printed.
+        version: the first line its ``--version`` printed, and the first line with a
+            version number where the first has none (hydra's).
     """
     kind: str
     executable: str
@@ -302,8 +303,15 @@ def _identify(path: str) -> Launcher:
         said = f"({path} --version failed: {e})"
     kind = next((k for k, row in KINDS.items()
                  if re.search(row.signature, said, re.MULTILINE)), "other")
-    first = next((line.strip() for line in said.splitlines() if line.strip()), "")
-    return Launcher(kind, path, first)
+    lines = [" ".join(line.split()) for line in said.splitlines() if line.strip()]
+    version = lines[0] if lines else ""
+    if lines and not _VERSION.search(version):   # hydra: "HYDRA build details:", then it
+        version = " ".join([version, next((line for line in lines if _VERSION.search(line)),
+                                          "")]).strip()
+    return Launcher(kind, path, version)
+
+
+_VERSION = re.compile(r"\d+\.\d+")
 
 
 def library_kind(version: str) -> str:

@@ -8,10 +8,26 @@
   :func:`run_job`: a job through ``python -m cupycomm.run``, whose status is non-zero if any
   rank did not finish.
 - :func:`release`: the end of a per-test communicator fixture (kept if the test failed).
+
+Only the plugin and :func:`release` need pytest, which cupycomm does not depend on: the rest
+(the launch helpers, ``cupycomm.testing.standin``) imports without it, and ``release`` is
+imported from the plugin when first asked for.
 """
+from typing import TYPE_CHECKING, Any
+
 from .launch import (SIMULATES_NODES, Launched, launch_environment, no_auto_cleanup,
                      run_job, run_mpiexec, simulated_nodes)
-from .plugin import release
+
+if TYPE_CHECKING:
+    from .plugin import release
 
 __all__ = ["Launched", "launch_environment", "no_auto_cleanup", "run_mpiexec", "run_job",
            "release", "simulated_nodes", "SIMULATES_NODES"]
+
+
+def __getattr__(name: str) -> Any:
+    """``release``, from the plugin (which imports pytest) when first asked for."""
+    if name == "release":
+        from .plugin import release
+        return release
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

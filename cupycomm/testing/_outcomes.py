@@ -7,11 +7,14 @@ failing rank's number and traceback.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Kind", "kind_of", "detail_of", "summary", "agree", "apply", "ranks_label", "by_value"]
+__all__ = ["Kind", "kind_of", "detail_of", "summary", "agree", "apply", "ranks_label", "by_value",
+           "why_skipped"]
 
 
 class Kind(enum.IntEnum):
@@ -177,6 +180,28 @@ def apply(report: Any, kinds: Sequence[Kind], details: Dict[int, Dict[str, Any]]
 def _bare(reason: str) -> str:
     """A skip reason without the 'Skipped: ' that pytest.skip() puts before it."""
     return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+
+
+# "skipped on rank 3 of 4: " (see apply): the ranks are not the reason.
+_ON_RANKS = re.compile(r"^skipped on [^:]* of \d+: ")
+_HEAD = re.compile(r"[:(;,]")
+_SHOWN = 6  # the reasons named in the line; the rest are counted as "other"
+
+
+def why_skipped(reasons: Sequence[str]) -> str:
+    """One line of why tests skipped: the head of each reason (up to its first ':', '(', ';'
+    or ','), with how many skipped for it, most first.
+
+    >>> why_skipped(["no GPU: none here", "no GPU: none here", "Skipped: needs 2 ranks, has 1"])
+    '3 skipped: no GPU 2, needs 2 ranks 1'
+    """
+    heads = collections.Counter(_HEAD.split(_ON_RANKS.sub("", _bare(reason)), 1)[0].strip()
+                                for reason in reasons)
+    ranked = sorted(heads.items(), key=lambda item: (-item[1], item[0]))
+    parts = [f"{head or 'no reason given'} {count}" for head, count in ranked[:_SHOWN]]
+    if len(ranked) > _SHOWN:
+        parts.append(f"other {sum(count for _, count in ranked[_SHOWN:])}")
+    return f"{len(reasons)} skipped: {', '.join(parts)}"
 
 
 def _verb(when: str) -> str:

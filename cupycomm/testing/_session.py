@@ -15,7 +15,7 @@ import pytest
 from _pytest.runner import runtestprotocol  # what pytest's own protocol runs, without logging
 
 from .. import _bootstrap
-from ..faults.abort import abort_world, report_stream
+from ..faults.abort import abort_world, report_stream, report_to
 from . import _outcomes
 from ..faults.board import Board
 from ._hang_guard import END_OF_SESSION, FIELDS, FINISHED, IN_ROUND, RUNNING, HangGuard, position
@@ -50,8 +50,11 @@ class MpiSession:
     def __init__(self, config: pytest.Config, default_timeout: float) -> None:
         self.config = config
         self.default_timeout = default_timeout
-        # pytest's capture takes fd 2 during tests; stacks must reach the terminal.
-        self.guard = HangGuard(_bootstrap.world().Get_rank(), os.fdopen(os.dup(2), "w"))
+        # pytest's capture takes fd 2 during tests, and what it captured is lost when the job
+        # aborts: the hang guard's and the watchdog's reports and stacks go to the terminal.
+        terminal = os.fdopen(os.dup(2), "w")
+        report_to(terminal)
+        self.guard = HangGuard(_bootstrap.world().Get_rank(), terminal)
         # A rank that failed before this point (say, in a conftest) never comes.
         self.guard.arm(default_timeout, "the start of the session")
         self.rounds = Rounds(_bootstrap.world().Dup())
@@ -70,18 +73,19 @@ class MpiSession:
         self._collect_errors: List[tuple] = []
         self._collecting = True
         self._ending = ""
+        self._devnull: Optional[Any] = None
         if self.rank != 0:
             self._quiet(config)
 
-    @staticmethod
-    def _quiet(config: pytest.Config) -> None:
+    def _quiet(self, config: pytest.Config) -> None:
         """Ranks other than 0 print nothing of their own (their failures reach rank 0) and
         write no cache: every rank reads the cache rank 0 wrote, so ``--lf`` agrees."""
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
-            config.pluginmanager.register(
-                pytest.TerminalReporter(config, open(os.devnull, "w")), "terminalreporter")
+            self._devnull = open(os.devnull, "w")
+            config.pluginmanager.register(pytest.TerminalReporter(config, self._devnull),
+                                          "terminalreporter")
         cache = getattr(config, "cache", None)
         if cache is not None:
             cache.set = lambda key, value: None
@@ -303,8 +307,11 @@ class MpiSession:
             reporter.write_line(f"cupycomm.testing: {line}")
 
     def pytest_unconfigure(self) -> None:
-        self.guard.close()
+        report_to(None)
+        self.guard.close()  # and the terminal's stream
         self.rounds.comm.Free()
+        if self._devnull is not None:
+            self._devnull.close()
 
 
 def _kinds(done: Round, column: int) -> List[Kind]:

@@ -34,9 +34,8 @@ import cupycomm
 from cupycomm import _bootstrap
 from cupycomm.run import launchers
 from cupycomm.backends.nccl import library_version
-from cupycomm.faults import abort
 
-from . import _isolated
+from . import _isolated, _outcomes
 from ._session import TIMEOUT, MpiSession
 
 _FAILED = pytest.StashKey[bool]()  # on an item: its setup or call failed on this rank
@@ -104,9 +103,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_isolated.IsolatedJobs(config, timeout),
                                       "cupycomm-isolated-jobs")
     if _bootstrap.world().Get_size() > 1:
-        # The watchdog's abort message and stacks must reach the terminal: pytest's capture
-        # of fd 2, where sys.stderr writes during a test, is lost when the job aborts.
-        abort.report_to(os.fdopen(os.dup(2), "w"))
         config.pluginmanager.register(MpiSession(config, timeout), "cupycomm-mpi-session")
 
 
@@ -198,6 +194,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
         item.stash[TIMEOUT] = (config.stash[_DEFAULT] if mark is None else
                                _seconds(_one_arg(item, mark, "seconds"), f"{item.nodeid}: "
                                                                           "mpi_timeout"))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line of why tests skipped (rank 0; ``-rs`` lists each test)."""
+    skipped = [report for report in terminalreporter.stats.get("skipped", ())
+               if isinstance(getattr(report, "longrepr", None), tuple)]
+    if skipped and _bootstrap.world().Get_rank() == 0:
+        terminalreporter.write_line(f"cupycomm.testing: "
+                                    f"{_outcomes.why_skipped([r.longrepr[2] for r in skipped])}"
+                                    f" (-rs lists each)")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -2,6 +2,7 @@
 close, NCCL errors and timeouts. Against the stand-in in CI; the ordering test also runs on a
 real GPU, where a slow kernel writes the input just before the collective."""
 import gc
+import pathlib
 import re
 import threading
 import time
@@ -12,10 +13,14 @@ import pytest
 from mpi4py import MPI
 
 import cupycomm
+from cupycomm.run import launchers
+from cupycomm.testing import SIMULATES_NODES, run_job
 from cupycomm.testing import standin as sd
 from cupycomm.backends.nccl import NcclBackend, nccl_module
 from cupycomm.faults.watchdog import Tracker
 from arrays import GPU, GPU_SKIP_REASON, STANDIN, assert_equal, held_inside, in_new_thread
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 
@@ -438,10 +443,15 @@ def test_device_timeout_aborts_the_nccl_communicator(dcomm):
 
 
 def test_device_timeout_names_the_ranks_that_never_issued_the_call():
+    """The ranks of this node that have not issued the call (the node's board shows how far
+    each got), and the ranks on other nodes as not known here."""
     if MPI.COMM_WORLD.Get_size() < 2:
         pytest.skip("needs ranks that do not arrive; ran with 1")
     with STANDIN.comm() as comm:
         comm.all_reduce(sd.asarray(np.ones(2)))   # connected: the next launch never blocks
+        node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+        here = sorted(node.allgather(comm.rank))
+        node.Free()
         if comm.rank == 0:   # the others never issue it
             held = sd.Stream(non_blocking=True, deferred=True)
             work = comm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)
@@ -449,13 +459,31 @@ def test_device_timeout_names_the_ranks_that_never_issued_the_call():
             with pytest.raises(cupycomm.CollectiveTimeout,
                                match=r"all_reduce #\d+: .*ranks not arrived: \[1") as raised:
                 work.wait(timeout=0.2)
-            assert raised.value.missing == tuple(range(1, comm.size))
+            assert raised.value.missing == tuple(here[1:])
+            elsewhere = [r for r in range(comm.size) if r not in here]
+            if elsewhere:
+                assert f"ranks on other nodes, not known here: {elsewhere}" in str(raised.value)
             held.pending.clear()
             for peer in range(1, comm.size):
                 comm.mpi_comm.send("done", dest=peer)
         else:   # in no collective of the communicator (a raw MPI receive is not one)
             assert comm.mpi_comm.recv(source=0) == "done"
         comm.barrier()
+
+
+@pytest.mark.mpi(max_size=1)   # starts a job of its own
+def test_device_timeout_passes_on_simulated_nodes_as_the_faults_guide_runs_it():
+    """docs/guide/faults-and-timeouts.md: ``cupycomm-run -n 4 -launcher fork -hosts
+    nodeA:3,nodeB:1 -m pytest tests`` (here the device timeout's test alone)."""
+    if launchers.find().kind not in SIMULATES_NODES:
+        pytest.skip(f"{launchers.find().executable} cannot simulate nodes")
+    guide = (ROOT / "docs" / "guide" / "faults-and-timeouts.md").read_text()
+    assert "cupycomm-run -n 4 -launcher fork -hosts nodeA:3,nodeB:1 -m pytest tests" in guide
+    job = run_job(4, "-m", "pytest", "-p", "no:cacheprovider", "-q", __file__, "-k",
+                  "device_timeout_names", timeout=120, cwd=str(ROOT),
+                  options=["-launcher", "fork", "-hosts", "nodeA:3,nodeB:1"])
+    assert job.returncode == 0, job.output
+    assert "1 passed" in job.stdout, job.output
 
 
 @pytest.mark.gpu

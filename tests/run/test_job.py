@@ -67,15 +67,20 @@ RANK_PREFIX = {"hydra": r"\[(\d+)\] ", "intelmpi": r"\[(\d+)\] ",
                "openmpi": r"\[\d+,(\d+)\]<stdout>: ", "srun": r" *(\d+): "}
 
 
-def cupycomm_run(tmp_path, script, n, *args):
+def cupycomm_run(tmp_path, script, n, *args, env=None):
     """(status, stdout, stderr) of ``python -m cupycomm.run -n n *args``, ``script`` being
-    job.py (buffered output: hydra prefixes each write)."""
+    job.py (buffered output: hydra prefixes each write), ``env`` more variables."""
     (tmp_path / "job.py").write_text(script)
-    job = run_job(n, *args, timeout=BOUND, cwd=str(tmp_path), env={"PYTHONUNBUFFERED": ""})
+    job = run_job(n, *args, timeout=BOUND, cwd=str(tmp_path),
+                  env={"PYTHONUNBUFFERED": "", **(env or {})})
     assert not job.timed_out, f"cupycomm.run did not end within {BOUND} s:\n{job.output}"
     # Open MPI's launcher ends each of its messages ("prterun has exited due to ...") with a
     # NUL byte, which would begin cupycomm.run's line on the shared stderr
     return job.returncode, job.stdout, job.stderr.replace("\0", "")
+
+
+# Open MPI refuses root without these (CI runs as root); cupycomm.run checks them first.
+ROOT_CONSENT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def no_job_directory(tmp_path):
@@ -225,10 +230,54 @@ def test_a_program_without_cupycomm_keeps_the_launchers_status(tmp_path):
     assert "no rank called cupycomm.init()" in err, err
 
 
-def test_the_console_script_is_installed():
+def test_the_console_script_is_installed_and_its_help_names_it():
     script = os.path.join(os.path.dirname(sys.executable), "cupycomm-run")
     done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=BOUND)
-    assert done.returncode == 0 and "usage: python -m cupycomm.run" in done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: cupycomm-run -n N "), done.stdout
+
+
+def test_the_help_says_what_the_tool_is_for_and_its_exit_statuses():
+    done = subprocess.run([sys.executable, "-m", "cupycomm.run", "--help"],
+                          capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    text = done.stdout
+    assert text.startswith("usage: python -m cupycomm.run -n N "), text
+    assert "with the launcher at hand" in text and "did not finish" in text, text
+    statuses = text.split("exit status:\n", 1)[1]
+    for status in ("0 ", "1 ", "2 ", "128 + N"):
+        assert f"  {status}" in statuses, statuses
+
+
+def test_a_launcher_that_cannot_keep_survivors_is_refused_in_one_line(tmp_path):
+    launcher = tmp_path / "mpiexec"
+    launcher.write_text("#!/bin/sh\necho 'HYDRA build details:'; echo '    Version: 4.3.0'\n")
+    launcher.chmod(0o755)
+    done = subprocess.run([sys.executable, "-m", "cupycomm.run", "-n", "2", "--survivors",
+                           "--mpiexec", str(launcher), "job.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 2
+    assert "usage:" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "--survivors" in done.stderr and "Open MPI 5" in done.stderr, done.stderr
+
+
+def test_open_mpi_as_root_without_the_consent_is_refused_naming_the_variables(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("runs as root only (Open MPI refuses root)")
+    launcher = tmp_path / "mpirun"
+    launcher.write_text("#!/bin/sh\n"
+                        "if [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 5.0.11'; "
+                        "exit 0; fi\nexit 1\n")
+    launcher.chmod(0o755)
+    env = {k: v for k, v in launch_environment().items()
+           if k not in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")}
+    done = subprocess.run([sys.executable, "-m", "cupycomm.run", "-n", "2",
+                           "--mpiexec", str(launcher), "job.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 2, done.stderr
+    assert "refuses to run as root" in done.stderr, done.stderr
+    assert ("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" in done.stderr), \
+        done.stderr
 
 
 def test_open_mpi_gets_its_prefix_option_and_is_told_to_pass_the_variables(tmp_path):
@@ -241,7 +290,7 @@ def test_open_mpi_gets_its_prefix_option_and_is_told_to_pass_the_variables(tmp_p
     launcher.chmod(0o755)
     code, out, err = cupycomm_run(tmp_path, "", 2, "--mpiexec", str(launcher),
                                   "--timeout", "5", "--prefix-output", "--map-by",
-                                  "node", "job.py")
+                                  "node", "job.py", env=ROOT_CONSENT)
     assert code == 0, err
     argv = json.loads(out)
     assert argv[:9] == ["--tag-output", "-x", "CUPYCOMM_RUN_DIR", "-x", "CUPYCOMM_RUN_SIZE",

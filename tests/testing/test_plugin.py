@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cupycomm.run import launchers
 from cupycomm.testing import launch_environment, no_auto_cleanup, run_mpiexec
 from cupycomm.testing._session import TIMEOUT, worst_exit_status
 
@@ -196,6 +197,57 @@ def test_in_one_process_the_plugin_adds_only_its_header(pytester):
     assert " of 1 -" not in result.stdout.str()    # no rank sections in the report
 
 
+SKIPS = """
+import pytest
+
+@pytest.mark.parametrize("i", range(3))
+@pytest.mark.skip(reason="no GPU: none here (run on a GPU machine)")
+def test_gpu(i):
+    pass
+
+@pytest.mark.skip(reason="torch is not installed (pip install torch)")
+def test_torch():
+    pass
+
+@pytest.mark.mpi(n=2)
+def test_two():
+    pass
+
+def test_runs():
+    pytest.skip("needs Open MPI; this is MPICH")
+"""
+
+
+def test_a_pass_says_in_one_line_why_its_tests_skipped(pytester):
+    """Without -rs, one line groups the skips by the head of their reason (before the first
+    ':', '(', ';' or ','), most first: a suite with thousands of skips says why."""
+    pytester.makepyfile(test_skips=SKIPS)
+    result = pytester.runpytest("--mpi-isolated=no", "test_skips.py")
+    result.assert_outcomes(skipped=6)
+    result.stdout.fnmatch_lines(["cupycomm.testing: 6 skipped: no GPU 3, needs Open MPI 1, "
+                                 "runs on 2 MPI ranks 1, torch is not installed 1 "
+                                 "(-rs lists each)"])
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_under_mpiexec_rank_0_says_why_tests_skipped(n):
+    """The reason as every rank's, without the ranks that the report names."""
+    job = run_cases(n, "case_outcomes.py", "-q", "-k", "skip_in_setup")
+    assert job.returncode == 0, job.output
+    assert ("cupycomm.testing: 1 skipped: deliberately skipped on the last rank only 1 "
+            "(-rs lists each)") in job.stdout.splitlines(), job.output
+
+
+def test_the_plugin_leaves_no_file_open():
+    """Python's development mode reports every file still open at exit (ResourceWarning):
+    the non-zero ranks' quiet terminal, every rank's stream for abort messages."""
+    job = run_mpiexec(3, "-X", "dev", "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                      "case_outcomes.py", "-k", "passes", timeout=90, cwd=str(CASES),
+                      mpiexec_args=no_auto_cleanup())
+    assert job.returncode == 0, job.output
+    assert "ResourceWarning" not in job.output, job.output
+
+
 def test_timeouts_come_from_the_marker_the_option_the_ini_value(pytester):
     pytester.makepyfile("""
         import pytest
@@ -292,3 +344,35 @@ def test_no_auto_cleanup_is_for_hydra_only_among_mpiexecs(tmp_path):
 def test_run_mpiexec_rejects_bad_arguments(bad):
     with pytest.raises(ValueError, match="run_mpiexec"):
         run_mpiexec(bad["n"], "-c", "pass", timeout=bad["timeout"])
+
+
+ROUND_LOOKS = """
+import time
+from mpi4py import MPI
+from cupycomm import work
+from cupycomm.testing._exchange import Point, Rounds
+
+rounds = Rounds(MPI.COMM_WORLD.Dup())
+rounds.exchange(Point.SETUP)
+if rounds.rank == 0:
+    time.sleep(1)   # every other rank's record has arrived by now
+sleeps = []
+work.time = type("Clock", (), {"monotonic": time.monotonic,
+                               "sleep": lambda s: (sleeps.append(s), time.sleep(s))})
+rounds.exchange(Point.END, 1)
+if rounds.rank == 0:
+    print(f"rank 0 slept {len(sleeps)} times")
+"""
+
+
+def test_a_round_whose_records_are_there_completes_without_sleeping(tmp_path):
+    """Rank 0 takes in the records that have arrived without a sleep between them: MPICH
+    completes about one message a look, and a sleep (up to 10 ms) after each made a round
+    at 16 ranks on 2 cores take 100 ms (benchmarks/plugin_cost.py). Open MPI's rank 0 still
+    sleeps a few times here, before this change too: its sends complete as it progresses."""
+    if launchers.find().kind != "hydra":
+        pytest.skip("MPICH's progress engine (one message a look) is what this measures")
+    (tmp_path / "round.py").write_text(ROUND_LOOKS)
+    job = run_mpiexec(8, "round.py", timeout=90, cwd=str(tmp_path))
+    assert job.returncode == 0, job.output
+    assert "rank 0 slept 0 times" in job.stdout, job.output
