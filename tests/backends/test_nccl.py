@@ -448,7 +448,9 @@ def test_device_timeout_names_the_ranks_that_never_issued_the_call():
     if MPI.COMM_WORLD.Get_size() < 2:
         pytest.skip("needs ranks that do not arrive; ran with 1")
     with STANDIN.comm() as comm:
-        comm.all_reduce(sd.asarray(np.ones(2)))   # connected: the next launch never blocks
+        # connected, so the next launch never blocks; run here (a busy GPU's would run on
+        # its own, the stand-in's only when the host waits: rank 0 aborts before it would)
+        comm.all_reduce(sd.asarray(np.ones(2))).get()
         node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
         here = sorted(node.allgather(comm.rank))
         node.Free()
