@@ -129,7 +129,7 @@ os.register_at_fork(after_in_child=_forked)
 class JobDirectory:
     """The job's directory as ``cupycomm.run`` holds it: ``path`` (the ranks'
     ``CUPYCOMM_RUN_DIR``), open by its descriptor from its making to its removal and checked
-    there (this user's, mode 0700: :func:`cupycomm._private.hold_directory`), so that a
+    there (this user's, mode 0700: ``cupycomm._private.hold_directory``), so that a
     directory swapped in under its name (where others may write its parent) is never read;
     each record is read only if it is this user's.
 

@@ -15,7 +15,7 @@ refused with :class:`~cupycomm.errors.CommShrunkError`). The grown communicator 
 communicator on its first device collective (or ``init_device()``), from a fresh unique id
 broadcast over the grown MPI communicator, as ``init()``'s does. A newcomer takes a GPU that
 no survivor of its node uses (the lost rank's, on the lost rank's node), not one chosen by
-its local rank, which may be a survivor's (:func:`_gpu_of_newcomer`); ``init(device=)``
+its local rank, which may be a survivor's (``_gpu_of_newcomer``); ``init(device=)``
 still decides where it is given.
 
 Open MPI counts the slot of a lost rank as taken: the spawn asks to oversubscribe
