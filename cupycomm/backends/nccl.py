@@ -191,7 +191,8 @@ _thread = threading.get_ident
 class _CutShort:
     """What an async Work whose collective an abort cut short holds in place of its event
     and its backend (see :meth:`NcclBackend._end`): never done, and each way of waiting
-    raises the abort's error (PeerLost for a loss) rather than return the output that the
+    raises the abort's error (PeerLost for a loss, CollectiveTimeout for a timeout) rather
+    than return the output that the
     abort left undefined."""
 
     done = False   # as an event's: the Work never completes
@@ -199,8 +200,8 @@ class _CutShort:
     def __init__(self, backend: "NcclBackend", label: str, seq: int) -> None:
         self._backend, self._label, self._seq = backend, label, seq
 
-    def _error(self) -> NcclError:
-        return self._backend._was_aborted(self._label, self._seq)
+    def _error(self) -> Exception:
+        return self._backend._cut_short_error(self._label, self._seq)
 
     def stream_wait(self, event: Any, captured: bool = False, label: str = "wait") -> None:
         raise self._error()
@@ -252,6 +253,7 @@ class NcclBackend:
         self._group: Any = None   # the open batch() block, if any
         self._aborted = ""        # why the NCCL communicator can no longer be used
         self._lost: Optional[Tuple[int, ...]] = None   # the world ranks whose death aborted it
+        self._late: Optional[Tuple[int, ...]] = None   # the ranks a timeout that aborted it named
         # Every use of the NCCL communicator (launches, the watchdog's, abort, close): NCCL's
         # communicator is not thread-safe, and ncclCommAbort frees what a launch uses.
         self._lifetime = threading.Lock()
@@ -699,13 +701,14 @@ class NcclBackend:
 
     def check_errors(self, label: str) -> None:
         """Raise :class:`NcclError` if NCCL reported an asynchronous error or the communicator
-        was aborted (:class:`PeerLost` if that was for a peer that died), while the Work
-        ``label`` ("all_reduce #12") waits."""
+        was aborted (:class:`PeerLost` if that was for a peer that died,
+        :class:`CollectiveTimeout` for a timeout), while the Work ``label`` ("all_reduce
+        #12") waits."""
         with self._lifetime:   # not while the watchdog aborts it
             name, _, number = label.partition(" #")
             seq = int(number) if number.isdigit() else self._tracker.seq
-            if self._aborted:
-                raise self._was_aborted(name, seq)
+            if self._aborted:   # it cut the Work short (a Work launched later cannot be)
+                raise self._cut_short_error(name, seq)
             try:
                 self._comm.check_async_error()
             except self._raw_error as error:
@@ -732,18 +735,32 @@ class NcclBackend:
         return PeerLost(f"{call} #{seq}: {message}: lost world rank(s) {list(self._lost)}",
                         ranks=self._lost, call=call, seq=seq)
 
+    def _cut_short_error(self, call: str, seq: int) -> Exception:
+        """What a Work that the abort cut short raises: the cause, a CollectiveTimeout naming
+        the ranks that had not issued the call where a timeout aborted the communicator, else
+        as :meth:`_was_aborted` (PeerLost for a loss)."""
+        if self._lost is not None or self._late is None:
+            return self._was_aborted(call, seq)
+        return CollectiveTimeout(
+            f"{call} #{seq}: cut short on rank {self._rank}: the NCCL communicator was aborted "
+            f"({self._aborted}); ranks of this node that had not issued it: "
+            f"{list(self._late)}", collective=call, seq=seq, missing=self._late)
+
     def expired(self, label: str, timeout: float) -> None:
         name, at, late, arrivals = self._tracker.arrivals(label)
-        self.abort(f"{name} #{at} timed out after {timeout:g} s")
+        self.abort(f"{name} #{at} timed out after {timeout:g} s", late=tuple(late))
         raise CollectiveTimeout(
             f"{name} #{at}: not completed after {timeout:g} s on rank {self._rank}; "
             f"{arrivals}; the NCCL communicator was aborted ({self._aborted}), this "
             f"communicator cannot run device collectives any more",
             collective=name, seq=at, missing=late)
 
-    def abort(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> bool:
+    def abort(self, reason: str, lost: Optional[Tuple[int, ...]] = None,
+              late: Optional[Tuple[int, ...]] = None) -> bool:
         """Abort the NCCL communicator: its pending operations end, it cannot be used again
-        (``lost``: because these world ranks died; later calls raise PeerLost naming them).
+        (``lost``: because these world ranks died; later calls raise PeerLost naming them;
+        ``late``: a timeout, these ranks had not issued the call; the Works it cuts short
+        raise CollectiveTimeout naming them).
         Returns whether this call aborted it (False if it already was). Never waits on what
         it cannot bound: one whose calls CUDA graphs captured (ncclCommAbort would wait until
         the user drops them: NCCL ``init.cc``, commDestroySync), or whose launch has been
@@ -754,12 +771,13 @@ class NcclBackend:
         if not self._lifetime.acquire(timeout=_LAUNCH_GRACE):
             if self._aborted:
                 return False
-            self._aborted, self._lost = reason, lost   # (read at the next call's entry)
+            self._aborted, self._lost, self._late = reason, lost, late   # (read at entry)
             self._keep("a launch is blocked inside NCCL on another thread")
             return True
         try:
             if self._aborted:
                 return False
+            self._late = late
             self._end(reason, lost)
         finally:
             self._lifetime.release()

@@ -215,9 +215,11 @@ class Tracker:
         elif device is not None and device.has_pending_work():
             waited = self._waited(("device", seq), now)
             if waited > self.timeout:
+                late, arrivals = self._arrivals(seq, "")
                 self._abort_device(device, f"{device.pending(seq)} not finished after "
                                    f"{waited:.0f} s on communicator {self.name} "
-                                   f"(timeout {self.timeout:g} s)")
+                                   f"(timeout {self.timeout:g} s); {arrivals}",
+                                   late=tuple(late))
             elif self.board is not None:
                 # A peer that left cleanly closed its communicator, which waits for its
                 # device work: only a death can leave this rank's NCCL kernels waiting.
@@ -311,14 +313,17 @@ class Tracker:
         return now - self._waiting[1]
 
     def _abort_device(self, device: Health, reason: str,
-                      lost: Optional[Tuple[int, ...]] = None) -> None:
+                      lost: Optional[Tuple[int, ...]] = None,
+                      late: Optional[Tuple[int, ...]] = None) -> None:
         """Abort the device communicator for ``reason``; ``lost``: the world ranks whose
-        death it is (later device calls raise PeerLost naming them)."""
+        death it is (later device calls raise PeerLost naming them); ``late``: the ranks of
+        this node a timeout found behind (the Works it cuts short raise CollectiveTimeout)."""
         self._error_since = None
-        if device.abort(reason, lost):
+        if device.abort(reason, lost, late):
+            cut = "" if late is None else ", its cut-short Works CollectiveTimeout"
             sys.stderr.write(f"cupycomm watchdog: {reason} on {describe_rank()}; the NCCL "
                              f"communicator was aborted: later device calls raise "
-                             f"{'NcclError' if lost is None else 'PeerLost'}\n")
+                             f"{'NcclError' if lost is None else 'PeerLost'}{cut}\n")
             sys.stderr.flush()
         self._waiting = None
 

@@ -426,6 +426,28 @@ def test_a_work_the_watchdogs_abort_cut_short_raises_and_never_returns_its_buffe
     assert "aborted" in tracker.flight.history()
 
 
+@pytest.mark.parametrize("waits", ["wait", "synchronize", "wait(timeout)"])
+def test_a_work_a_timeout_cut_short_raises_the_timeout_naming_the_late_ranks(dcomm, waits):
+    """Issue 32 finding 2: a Work cut short by the watchdog's abort for a timeout raises the
+    timeout (CollectiveTimeout naming the ranks of this node that had not issued the call),
+    not a bare NcclError; later launches still raise NcclError."""
+    backend, tracker = dcomm.init_device(), dcomm.parts.tracker
+    held = sd.Stream(non_blocking=True, deferred=True)
+    work = dcomm.all_reduce(sd.asarray(np.full(2, 5.0)), stream=held, async_op=True)
+    seq = tracker.seq
+    tracker._abort_device(backend, f"device collectives up to #{seq} have not finished after "
+                          f"1 s (a test)", late=(1,))
+    held.synchronize()
+    with pytest.raises(cupycomm.CollectiveTimeout, match=r"ranks of this node that had not "
+                       r"issued it: \[1\]") as raised:
+        {"wait": work.wait, "synchronize": work.synchronize,
+         "wait(timeout)": lambda: work.wait(timeout=5)}[waits]()
+    assert (raised.value.collective, raised.value.seq, raised.value.missing) == (
+        "all_reduce", seq, (1,))
+    with pytest.raises(cupycomm.NcclError, match="aborted"):
+        dcomm.all_reduce(sd.asarray(np.ones(2)))
+
+
 def test_device_timeout_aborts_the_nccl_communicator(dcomm):
     held = sd.Stream(non_blocking=True, deferred=True)
     work = dcomm.all_reduce(sd.asarray(np.ones(2)), stream=held, async_op=True)

@@ -263,8 +263,9 @@ class _Device:
     def pending(self, seq: int) -> str:
         return f"device collectives up to #{seq} have"
 
-    def abort(self, reason: str, lost=None) -> bool:
+    def abort(self, reason: str, lost=None, late=None) -> bool:
         self.aborts.append((reason, lost))
+        self.late = late
         return len(self.aborts) == 1
 
 
