@@ -450,11 +450,11 @@ def _caught_up() -> None:
 
 def _kernel(run: Callable[[], Any], name: str) -> None:
     """A stand-in kernel (a NumPy operation on device arrays) on the current stream: queued
-    on a deferred stream or behind work the stream has not run yet, else run at once (rule
-    6); at once too inside a stream's work (it is that work) and in a capture."""
+    behind work the stream has not run yet, else run at once (rule 6); at once too inside a
+    stream's work (it is that work) and in a capture."""
     stream = _resolved(get_current_stream())
     if (not getattr(_working, "depth", 0) and stream.capture is None
-            and (stream.deferred or stream.executed < stream.enqueued or stream.outstanding)):
+            and (stream.executed < stream.enqueued or stream.outstanding)):
         def queued() -> None:
             run()
         stream.enqueue(queued, name)
