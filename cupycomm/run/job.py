@@ -333,14 +333,14 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
             killed: str = "",
             before_init: Sequence[Tuple[int, Optional[int]]] = ()) -> Tuple[int, str]:
     """(exit status, one line saying why; '' when the job succeeded) of a job whose ranks
-    left ``records`` (:meth:`cupycomm.run.exit_records.JobDirectory.read`) and whose launcher exited with
-    ``returncode`` (negative: killed by that signal); ``died``: ranks seen dead while the
-    job ran (named first: the others were killed after them); ``launcher_failed``: the
-    launcher said it failed on its own at the job's end (see the module's docstring);
-    ``strays``: the records of processes whose world was not the job's
-    (:meth:`cupycomm.run.exit_records.JobDirectory.read_strays`); ``killed``: what the launcher said of a
-    rank that a signal ended ("Killed (signal 9)": hydra's status is then 9);
-    ``before_init``: (rank, pid or None: never seen) of the ranks on this host seen gone
+    left ``records`` (:meth:`cupycomm.run.exit_records.JobDirectory.read`) and whose
+    launcher exited with ``returncode`` (negative: killed by that signal); ``died``: ranks
+    seen dead while the job ran (named first: the others were killed after them);
+    ``launcher_failed``: the launcher said it failed on its own at the job's end (see the
+    module's docstring); ``strays``: the records of processes whose world was not the job's
+    (:meth:`cupycomm.run.exit_records.JobDirectory.read_strays`); ``killed``: what the
+    launcher said of a rank that a signal ended ("Killed (signal 9)": hydra's status is then
+    9); ``before_init``: (rank, pid or None: never seen) of the ranks on this host seen gone
     before they recorded anything (``cupycomm.run.ranks``), while the job went on.
 
     Example::
