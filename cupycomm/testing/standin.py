@@ -450,11 +450,13 @@ def _caught_up() -> None:
 
 def _kernel(run: Callable[[], Any], name: str) -> None:
     """A stand-in kernel (a NumPy operation on device arrays) on the current stream: queued
-    behind work the stream has not run yet, else run at once (rule 6); at once too inside a
-    stream's work (it is that work) and in a capture."""
+    behind work the stream has not run yet, else run at once (rule 6); captured on a
+    capturing stream (a graph node, run at each replay); at once inside a stream's work (it
+    is that work)."""
     stream = _resolved(get_current_stream())
-    if (not getattr(_working, "depth", 0) and stream.capture is None
-            and (stream.executed < stream.enqueued or stream.outstanding)):
+    if not getattr(_working, "depth", 0) and (
+            stream.capture is not None or stream.executed < stream.enqueued
+            or stream.outstanding):
         def queued() -> None:
             run()
         stream.enqueue(queued, name)
