@@ -39,7 +39,10 @@ GUARDED = {"cupy.cuda.nccl.NcclCommunicator.commSplit":
            "and then makes a new unique id",
            "cupy.cuda.runtime.threadExchangeStreamCaptureMode":
            "CuPy does not wrap it; cupycomm looks it up with getattr and otherwise calls the "
-           "driver's cuThreadExchangeStreamCaptureMode (not replayed here)"}
+           "driver's cuThreadExchangeStreamCaptureMode (not replayed here)",
+           "cupy.comm_revoke":
+           "nccl4py's comm_revoke (ncclCommRevoke), not CuPy's: NcclBackend calls it only "
+           "where nccl4py imports (not replayed here); the stand-in provides it"}
 _HANDLE = 0x1000   # any non-null handle or address: the call fails before using it
 
 
