@@ -25,7 +25,9 @@ the cores), in a session of its own: SIGINT and SIGTERM reach it once, from here
 handlers are installed before the launcher starts; a signal that arrives while it starts is
 forwarded as soon as it has a pid); a second signal, or a job still there 10 s after the
 first, is killed (srun first with SIGTERM, which gives its allocation back). The status is
-then 128 + the signal's number, as a shell's.
+then 128 + the signal's number, as a shell's. The launcher, and so the ranks, start with
+SIGPIPE ignored, as Python runs: a write to a pipe or socket whose reader is gone fails with
+EPIPE instead of killing the writer.
 
 Example::
 
@@ -495,8 +497,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     forwarder = _Forwarder(_STOP.get(launcher.kind, signal.SIGKILL), options.survivors)
     try:
         piped = subprocess.PIPE if own_failure else None
+        # SIGPIPE stays ignored, as in this Python: hydra with simulated nodes was killed by
+        # it (status -13) after every rank had finished, writing to a proxy already gone
         child = subprocess.Popen(argv_, env=env, start_new_session=True, stdout=piped,
-                                 stderr=piped)
+                                 stderr=piped, restore_signals=False)
         copies = ([_Copy(child.stdout, sys.stdout, own_failure),
                    _Copy(child.stderr, sys.stderr, own_failure)] if own_failure else [])
         returncode = forwarder.wait(child, directory, options.n)

@@ -373,6 +373,24 @@ def test_a_job_that_finished_ends_0_though_hydra_then_failed_on_its_own(tmp_path
     assert code != 0 and "raised RuntimeError: deliberate failure on rank 1" in err, err
 
 
+@pytest.mark.skipif(launchers.find().kind != "hydra", reason="hydra's own failure")
+def test_hydra_writing_to_a_proxy_already_gone_is_not_killed_by_sigpipe(tmp_path):
+    """Seen in CI: hydra with simulated nodes killed by SIGPIPE (status -13) after every rank
+    had finished, writing to a proxy that had just exited. The kernel sends SIGPIPE to a
+    process writing to a pipe or socket with no reader (pipe(7)); a stand-in for hydra
+    sends it to itself after the job: cupycomm.run must start the launcher with SIGPIPE
+    ignored, as Python itself runs, so that such a write fails with EPIPE instead."""
+    fake, real = tmp_path / "mpiexec", launchers.find().executable
+    fake.write_text(f"#!/bin/sh\n"
+                    f"if [ \"$1\" = --version ]; then exec {real} \"$@\"; fi\n"
+                    f"{real} \"$@\" || exit $?\n"
+                    f"kill -PIPE $$\n"
+                    f"exit 0\n")
+    fake.chmod(0o755)
+    code, out, err = cupycomm_run(tmp_path, FINISHES, 2, "--mpiexec", str(fake), "job.py")
+    assert code == 0, out + err
+
+
 def test_a_rank_seen_dead_is_named_before_those_killed_after_it():
     records = [record(0, "running"), record(1, "running"), record(2, "running")]
     assert launch.verdict(records, -9, died=[2]) == (
