@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from . import devices
     from ._dtypes import DTYPES, ReduceOp
     from ._init import init
-    from .communicator import DEFAULT_TIMEOUT, Communicator
+    from .comm.communicator import DEFAULT_TIMEOUT, Communicator
     from .survivors.committed import State
     from .survivors.numbering import joined_late
     from .survivors.resilient import resilient
@@ -32,10 +32,10 @@ __all__ = [
 ]
 
 # The module of each name imported at its first use. Importing mpi4py.MPI starts MPI, and the
-# tools that need none (python -m cupycomm.run, cupycomm.flight, cupycomm.run.launchers) import
-# this package too, also from inside a rank, whose launcher's variables MPI_Init would read.
-_HOMES = {"init": "_init", "Communicator": "communicator",
-          "DEFAULT_TIMEOUT": "communicator", "ReduceOp": "_dtypes", "DTYPES": "_dtypes",
+# tools that need none (python -m cupycomm.run, cupycomm.tools.flight, cupycomm.run.launchers)
+# import this package too, also from inside a rank, whose launcher's variables MPI_Init would read.
+_HOMES = {"init": "_init", "Communicator": "comm.communicator",
+          "DEFAULT_TIMEOUT": "comm.communicator", "ReduceOp": "_dtypes", "DTYPES": "_dtypes",
           "devices": "devices", "prefetch": "devices", "Work": "work",
           "resilient": "survivors.resilient", "State": "survivors.committed",
           "joined_late": "survivors.numbering"}

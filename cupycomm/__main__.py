@@ -1,5 +1,6 @@
-"""``python -m cupycomm``: the self-check (:mod:`cupycomm.selfcheck`), or with ``--report`` the
-field-test report (:mod:`cupycomm.fieldtest`). Run it under ``mpiexec -n N`` or alone.
+"""``python -m cupycomm``: the self-check (:mod:`cupycomm.tools.selfcheck`), or with
+``--report`` the field-test report (:mod:`cupycomm.tools.fieldtest`). Run it under
+``mpiexec -n N`` or alone.
 
 Exit status: 0 passed; 1 a check failed on some rank; 2 a bad command line, or a report
 file that cannot be written; 3 (``--report``) nothing failed but some rank has no GPU.
@@ -13,7 +14,8 @@ from typing import List, Optional
 from mpi4py import MPI
 
 import cupycomm
-from . import _bootstrap, fieldtest, selfcheck
+from . import _bootstrap
+from .tools import fieldtest, selfcheck
 from . import _private as private
 from .errors import SharedFileRefused
 from .bench.libraries import load_device_module

@@ -27,7 +27,7 @@ __all__ = ["world", "node_comm", "node_name", "check_launch", "choose_device",
 def world() -> MPI.Comm:
     """MPI_COMM_WORLD."""
     # Imported here: importing mpi4py.MPI starts MPI, and the tools that need none (cupycomm.run,
-    # cupycomm.flight) import this module for node_name() and the records of a rank's end.
+    # cupycomm.tools.flight) import this module for node_name() and the records of a rank's end.
     from mpi4py import MPI
     return MPI.COMM_WORLD
 

@@ -9,7 +9,7 @@
    the timeout (:func:`cupycomm.faults.watchdog.meet`), and which
    ``_bootstrap.check_launch`` holds against the launcher's world (N singletons where it
    started N ranks: an error);
-6. the Communicator over a duplicate of it (:meth:`~cupycomm.communicator.Communicator.create`);
+6. the Communicator over a duplicate of it (:meth:`~cupycomm.Communicator.create`);
    or, in a process that ``comm.grow()`` started, the grown communicator
    (:func:`cupycomm.survivors.grow.join`).
 """
@@ -21,10 +21,10 @@ from typing import Any, Optional, Tuple
 from mpi4py import MPI
 
 from . import _bootstrap, _env
-from .communicator import Communicator
+from .comm.communicator import Communicator
 from .faults import abort, flight, watchdog
 from .run import exit_records
-from .survivors import grow, policy
+from .survivors import grow, numbering, policy
 
 __all__ = ["init"]
 
@@ -89,7 +89,11 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
         policy.choose(on_peer_loss or "raise", MPI.Get_library_version())
     _install_process_hooks(abort_on_exception, joining)
     if joining:   # the survivors wait in grow(): their plan, the merge
-        comm = grow.join(device, device_module)
+        grown = grow.join(device, device_module)
+        comm = Communicator.create(grown.mpi_comm, name=grown.name, timeout=grown.timeout,
+                                   device=grown.device, device_module=device_module,
+                                   debug=grown.debug)
+        numbering.keep(comm)
     else:
         parent = _parent(mpi_comm)
         if parent.Get_size() > 1:   # the first collective: a rank that never comes ends it

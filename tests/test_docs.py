@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from cupycomm._docs import call_table, dtype_table, variable_table
+from cupycomm.tools.docs import call_table, dtype_table, variable_table
 from cupycomm.testing import launch_environment, no_auto_cleanup, run_job, run_mpiexec
 
 pytestmark = pytest.mark.mpi(max_size=1)   # the snippets start jobs of their own
@@ -92,7 +92,7 @@ def without_pytest(directory):
 def test_generated_tables_are_those_of_the_code(table, page):
     assert table() in (ROOT / page).read_text(), (
         f"{page}'s {table.__name__} is stale; paste there the output of "
-        f"python -m cupycomm._docs")
+        f"python -m cupycomm.tools.docs")
 
 
 # -- the README: a front page -------------------------------------------------------------------

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from cupycomm.testing import standin as sd
 from arrays import STANDIN, TORCH, TORCH_SKIP_REASON
-from cupycomm import fieldtest, selfcheck
+from cupycomm.tools import fieldtest, selfcheck
 from cupycomm.run import launchers
 from cupycomm.__main__ import main
 from cupycomm.testing import launch_environment, run_mpiexec

@@ -7,7 +7,7 @@ import pytest
 
 import cupycomm
 from cupycomm.testing import standin as sd
-from cupycomm import _foreign
+from cupycomm.comm import foreign
 from arrays import STANDIN
 
 
@@ -188,7 +188,7 @@ def test_calls_that_returned_cupycomms_own_buffers_as_the_callers_type(hcomm, ca
 def test_bfloat16_without_ml_dtypes_is_a_type_error_naming_call_dtype_and_rank(hcomm,
                                                                                monkeypatch):
     torch = pytest.importorskip("torch", reason="torch is not installed here")
-    monkeypatch.setattr(_foreign, "_BFLOAT16", None)
+    monkeypatch.setattr(foreign, "_BFLOAT16", None)
     with pytest.raises(TypeError, match=rf"all_reduce: x has dtype torch.bfloat16, which needs "
                                         rf"ml_dtypes' bfloat16 here: pip install "
                                         rf"'cupycomm\[bfloat16\]' on rank {hcomm.rank}"):

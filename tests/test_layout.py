@@ -1,4 +1,6 @@
-"""The package's stated rules that a reader of the code can check: only ``_bootstrap`` touches
+"""The package's stated rules that a reader of the code can check: its floors (a module
+imports only from its own floor or those below, and no import, at any depth, makes a cycle);
+only ``_bootstrap`` touches
 ``MPI.COMM_WORLD``; every NCCL call is made in ``backends/`` (the benchmark's raw baselines
 excepted: calling NCCL directly is their job; and the test stand-in, which is the NCCL it
 stands for); ``run/`` imports nothing of ``faults/`` (which imports ``run.exit_records``);
@@ -85,6 +87,103 @@ def _imported_modules(path):
                 yield node.lineno, f"{module}.{alias.name}"
 
 
+# The floors of the house, lowest first (docs/internals.md): each module is on the floor of
+# the longest name here that is its own or a package holding it.
+FLOORS = (
+    ("tables", ("errors", "_dtypes", "_collectives", "_env", "backends.shapes",
+                "run.launchers", "run.ranks")),
+    ("process", ("_private", "_bootstrap", "run.exit_records")),
+    ("below the Communicator", ("backends", "work", "faults", "survivors.lost",
+                                "survivors.state", "survivors.policy", "survivors.numbering",
+                                "survivors.shrink", "survivors.grow", "survivors")),
+    ("the Communicator", ("comm",)),
+    ("its callers", ("_init", "devices", "survivors.committed", "survivors.resilient")),
+    ("tools", ("", "__main__", "tools", "bench", "testing", "run")),
+)
+
+
+def _floor(module):
+    """(floor number, name) of ``module``, a name under ``cupycomm.``."""
+    inner = module[len("cupycomm."):] if module != "cupycomm" else ""
+    found = [(len(name), number) for number, (_, names) in enumerate(FLOORS) for name in names
+             if inner == name or inner.startswith(name + ".") or name == ""]
+    number = max(found)[1]
+    return number, FLOORS[number][0]
+
+
+def _module_name(path):
+    parts = ["cupycomm", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph():
+    """{module: {module it imports: line}}: every import of the package's own modules, at
+    module level, inside functions and under TYPE_CHECKING alike."""
+    known = {_module_name(path): path for path in _modules()}
+    graph = {}
+    for name, path in known.items():
+        edges = {}
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                # a name that is a module is that module; another, its module's attribute
+                found = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in known
+                         else module for alias in node.names]
+            else:
+                continue
+            for module in found:
+                if module in known and module != name:
+                    edges.setdefault(module, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_runs_up_a_floor():
+    found = [f"{name} ({_floor(name)[1]}):{line} imports {module} ({_floor(module)[1]})"
+             for name, edges in _import_graph().items() for module, line in edges.items()
+             if _floor(module)[0] > _floor(name)[0]]
+    assert found == []
+
+
+def test_no_import_cycle():
+    graph = _import_graph()
+    cycles = []
+    for start in sorted(graph):   # a path back to ``start`` through modules after it
+        stack, seen = [(start, [start])], {start}
+        while stack:
+            name, path = stack.pop()
+            for module in graph[name]:
+                if module == start:
+                    cycles.append(" -> ".join(path + [start]))
+                elif module > start and module not in seen:
+                    seen.add(module)
+                    stack.append((module, path + [module]))
+    assert cycles == []
+
+
+def test_a_subpackage_runs_nothing_but_its_own_modules_first():
+    """Python runs a package's __init__ before any module of it: one that imported modules
+    elsewhere would run them, unseen by the floors, before each of its modules."""
+    found = [f"{name} imports {module}" for name, edges in _import_graph().items()
+             if name.count(".") == 1 and PACKAGE.joinpath(*name.split(".")[1:]).is_dir()
+             for module in edges if not module.startswith(name + ".")]
+    assert found == []
+
+
+def test_the_floors_see_what_the_code_imports():
+    graph = _import_graph()
+    assert _floor("cupycomm.backends.mpi")[0] < _floor("cupycomm.comm.route")[0]
+    assert _floor("cupycomm.backends.shapes")[1] == "tables"
+    assert _floor("cupycomm")[1] == _floor("cupycomm.tools.flight")[1] == "tools"
+    assert "cupycomm.backends.mpi" in graph["cupycomm.comm.route"]            # module level
+    assert "cupycomm.survivors.grow" in graph["cupycomm._init"]               # from . import
+    assert "cupycomm.backends" in graph["cupycomm.faults.watchdog"]           # TYPE_CHECKING
+
+
 def test_run_imports_nothing_of_faults():
     """The launcher's wing and the in-rank faults wing share only ``_private`` (and the
     helpers): ``faults`` imports ``run.exit_records``, so an arrow back would be a cycle."""
@@ -96,7 +195,7 @@ def test_run_imports_nothing_of_faults():
 
 
 def _private_attributes_of_the_communicator():
-    tree = ast.parse((PACKAGE / "communicator.py").read_text())
+    tree = ast.parse((PACKAGE / "comm" / "communicator.py").read_text())
     init = next(node for node in ast.walk(tree)
                 if isinstance(node, ast.FunctionDef) and node.name == "__init__")
     return {target.attr for node in ast.walk(init) if isinstance(node, ast.Assign)
@@ -111,7 +210,7 @@ def test_no_module_reads_the_communicators_private_attributes():
     private = _private_attributes_of_the_communicator()
     assert {"_checks", "_router", "_prepared"} <= private   # the rule reads the right names
     found = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} reads .{node.attr}"
-             for path in _modules() if path.name != "communicator.py" or path.parent != PACKAGE
+             for path in _modules() if path != PACKAGE / "comm" / "communicator.py"
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Attribute) and node.attr in private
              and not (isinstance(node.value, ast.Name) and node.value.id == "self")]

@@ -13,7 +13,7 @@ def payload(rank):
 
 @pytest.fixture
 def hcomm():
-    with cupycomm.init(cupycomm.communicator.MPI.COMM_WORLD) as comm:
+    with cupycomm.init(cupycomm.comm.communicator.MPI.COMM_WORLD) as comm:
         yield comm
 
 
@@ -59,7 +59,7 @@ def test_object_calls_validate_before_communication(hcomm):
 
 
 def test_debug_mode_checks_object_collectives_by_name_and_root():
-    with cupycomm.init(cupycomm.communicator.MPI.COMM_WORLD, debug=True) as comm:
+    with cupycomm.init(cupycomm.comm.communicator.MPI.COMM_WORLD, debug=True) as comm:
         assert comm.broadcast_object("x" if comm.rank == 0 else None) == "x"
         if comm.size > 1:
             with pytest.raises(cupycomm.CollectiveMismatch, match="ranks disagree"):
@@ -73,7 +73,7 @@ def test_a_pickling_error_raises_before_the_call_and_the_peers_go_on(call):
     # the call its peers wait in: nothing was counted, sent or matched (the lock's own
     # TypeError named the object only; the tag of pkl5's call was taken; scatter had sent
     # rank 0's part). On today's code the peers hung until the timeout.
-    with cupycomm.init(cupycomm.communicator.MPI.COMM_WORLD, timeout=30) as comm:
+    with cupycomm.init(cupycomm.comm.communicator.MPI.COMM_WORLD, timeout=30) as comm:
         def run(obj):
             if call == "scatter_object":
                 return comm.scatter_object([obj] * comm.size if comm.rank == 0 else None)

@@ -462,7 +462,8 @@ def test_a_report_follows_no_link_planted_at_its_name(tmp_path, monkeypatch):
     """``python -m cupycomm --report PATH``: its check that PATH can be written opened PATH
     for appending and the report itself opened it for writing, both through a link there
     (another user's, in a shared directory such as /tmp), replacing its target."""
-    from cupycomm import __main__, fieldtest
+    from cupycomm import __main__
+    from cupycomm.tools import fieldtest
     precious = tmp_path / "checkpoint"
     precious.write_bytes(PRECIOUS)
     report = _shared(tmp_path) / "cupycomm-report.json"

@@ -27,7 +27,7 @@ runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
 @pytest.mark.parametrize("module, args, status, said", [
     ("cupycomm.run", ["--help"], 0, "usage: python -m cupycomm.run"),
     ("cupycomm.run", [], 2, "usage: python -m cupycomm.run"),
-    ("cupycomm.flight", ["{empty}"], 2, "no rank-<r>.json in"),
+    ("cupycomm.tools.flight", ["{empty}"], 2, "no rank-<r>.json in"),
     ("cupycomm.run.launchers", ["-n", "2"], 0, "-n 2"),
 ], ids=["run --help", "run", "flight", "launchers"])
 def test_a_tool_run_from_inside_a_rank_starts_no_mpi(tmp_path, module, args, status, said):

@@ -130,7 +130,7 @@ def test_bad_input_raises_before_communication(lib, comm, case):
 
 
 def test_stream_on_host_is_refused():
-    with cupycomm.init(cupycomm.communicator.MPI.COMM_WORLD) as comm:
+    with cupycomm.init(cupycomm.comm.communicator.MPI.COMM_WORLD) as comm:
         with pytest.raises(TypeError, match="stream= applies to device arrays only"):
             comm.all_reduce(np.ones(2), stream=object())
 
@@ -193,7 +193,7 @@ def test_read_only_results_are_refused_on_every_rank(name, arg, call):
     """Where a call writes (in place, out, buf), a read-only NumPy array is refused on every
     rank alike; MPI would write into it on some ranks (not a broadcast's root) and fail on
     others."""
-    if name in ("recv",) and cupycomm.communicator.MPI.COMM_WORLD.Get_size() < 2:
+    if name in ("recv",) and cupycomm.comm.communicator.MPI.COMM_WORLD.Get_size() < 2:
         pytest.skip("recv needs 2 ranks (a rank cannot receive from itself); ran with 1")
     with HOST.comm() as comm:
         seq = comm.parts.tracker.seq

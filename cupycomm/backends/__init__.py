@@ -14,7 +14,7 @@ The doors, as small protocols (the annotations of their callers use them):
   reductions, ``movements[dtype]`` for data movement); backends trust their inputs. ``recv``
   is the receive buffer (``recv is x``: in place). Each method returns the result, or a
   :class:`~cupycomm.work.Work` when ``async_op`` is true. The methods are those of
-  :data:`cupycomm._collectives.BACKEND_METHODS`, which :class:`~cupycomm._foreign.Foreign`
+  :data:`cupycomm._collectives.BACKEND_METHODS`, which :class:`~cupycomm.comm.foreign.Foreign`
   wraps, plus ``empty``, the batch() hooks and ``close``.
 - :class:`HostBackend` and :class:`DeviceBackend`: what each kind has besides.
 - :class:`Completion`: what a :class:`~cupycomm.work.Work` calls to complete.

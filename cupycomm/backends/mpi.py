@@ -17,7 +17,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from .._dtypes import DTYPES, ReduceOp
-from .._packing import offsets
+from .shapes import offsets
 from ..survivors.lost import peer_lost
 from ..work import HostWork
 from . import HostBackend, Marks

@@ -73,7 +73,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 
 from .._bootstrap import at_safe_point, broadcast_unique_id
 from .._dtypes import DTYPES, NCCL_INT8, NCCL_OPS
-from .._packing import offsets
+from .shapes import offsets
 from ..errors import CollectiveTimeout, NcclError, PeerLost
 from ..work import DeviceWork, poll_until
 

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from .._bootstrap import broadcast_unique_id
 from ..backends.nccl import library_version, nccl_module
-from ..selfcheck import gpu_name
+from ..tools.selfcheck import gpu_name
 from .collectives import Call, Case, Collective, Runner
 from .timing import CudaEvents, HostClock
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union, cast
 
 from .places import HOST, DeviceCall, Place, brief, describe, with_length
-from .._packing import offsets, views_of
-from ..coalesce import runs_by_dtype
+from ..backends.shapes import offsets, views_of
+from ..comm.coalesce import runs_by_dtype
 from .copies import (Copy, Order, broadcast_arrays, keep, move, sum_arrays, whole)
 
 __all__ = ["broadcast", "broadcast_coalesced", "scatter", "gather", "reduce_add",

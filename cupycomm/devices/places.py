@@ -16,7 +16,7 @@ import numpy as np
 from .. import _bootstrap
 from .._dtypes import DTYPES
 from .nested import map_arrays, path_text
-from .._validate import kind_name
+from ..comm.checks import kind_name
 
 __all__ = ["HOST", "Place", "DeviceCall", "describe", "brief", "with_length"]
 

@@ -9,7 +9,7 @@ gives up says why.
   silent;
 - :mod:`~cupycomm.faults.abort`: ending the whole job, the one place that calls ``MPI_Abort``;
 - :mod:`~cupycomm.faults.flight`: the flight recorder, each communicator's last calls and
-  one block saying where every rank is (its files merge with ``python -m cupycomm.flight``);
+  one block saying where every rank is (its files merge with ``python -m cupycomm.tools.flight``);
 - :mod:`~cupycomm.faults.stacks`: every thread's Python stack, this process's and its
   node's peers';
 - :mod:`~cupycomm.faults.debug`: debug mode, the ranks comparing each call before it runs.

@@ -26,8 +26,8 @@ node's board: each node reports its own. With
 ``DIR/rank-<r>.json`` (the world communicator's; another communicator's go to
 ``DIR/<name>.rank-<r>.json``): when a call of its has waited 1 s (and every 10 s while it
 waits), on every trigger above, and when its communicator closes; ``python -m
-cupycomm.flight DIR`` (:mod:`cupycomm.flight`) merges the world's files of every node into
-one block, for example
+cupycomm.tools.flight DIR`` (:mod:`cupycomm.tools.flight`) merges the world's files of every
+node into one block, for example
 ``ranks 0-2 (nodeA) completed #41, wait in all_reduce #42`` and ``rank 3 (nodeB) completed
 #41, waits in broadcast #42``.
 """

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 
-from ..communicator import Communicator
+from ..comm.communicator import Communicator
 
 __all__ = ["State", "settled"]
 

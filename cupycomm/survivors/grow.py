@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numbers
 import sys
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from mpi4py import MPI
 
@@ -42,21 +42,27 @@ from .lost import peer_lost
 from .shrink import retire
 from .state import survival_of
 
-if TYPE_CHECKING:
-    from ..communicator import Communicator
-
-__all__ = ["grow", "join", "spawned_to_join"]
+__all__ = ["grow", "join", "spawned_to_join", "Grown"]
 
 #: The spawn's info: Open MPI's keys (an MPI ignores keys it does not know).
 _INFO = {"map_by": ":OVERSUBSCRIBE", "bind_to": "none", "PMIX_ENVAR": "CUPYCOMM_JOIN=1"}
 
 
-def grow(comm: "Communicator", n: int, command: Optional[Sequence[str]] = None
-         ) -> "Communicator":
-    """The communicator of ``comm``'s ranks and ``n`` new processes running ``command``
-    (default: this program again), ranks in world-rank order; see the module. Collective over
-    ``comm``'s ranks; the new processes join in their ``cupycomm.init()``."""
-    from ..communicator import Communicator
+class Grown(NamedTuple):
+    """The grown MPI communicator, and the survivors' settings of the Communicator over it
+    (``device``: this process's choice)."""
+    mpi_comm: MPI.Comm
+    name: str
+    timeout: float
+    debug: bool
+    device: Optional[int]
+
+
+def grow(comm: Any, n: int, command: Optional[Sequence[str]] = None) -> Grown:
+    """The MPI communicator of the ranks of ``comm`` (a Communicator, retired here) and ``n``
+    new processes running ``command`` (default: this program again), ranks in world-rank
+    order; see the module. Collective over ``comm``'s ranks; the new processes join in their
+    ``cupycomm.init()``."""
     survival = survival_of(comm, "grow")
     argv = _command(comm.rank, n, command)
     tracker = comm.parts.tracker
@@ -81,12 +87,8 @@ def grow(comm: "Communicator", n: int, command: Optional[Sequence[str]] = None
         _node_gpus(grown, False, router.device_number() if router.cupy is not None
                    else router.device_choice)
     retire(comm, survival, "grow")
-    made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
-                               device=comm.parts.router.device_choice,
-                               device_module=comm.parts.router.cupy, debug=plan["debug"],
-                               device_rank=comm.parts.router.device_rank)
-    numbering.keep(made)
-    return made
+    return Grown(grown, plan["name"], plan["timeout"], plan["debug"],
+                 comm.parts.router.device_choice)
 
 
 def spawned_to_join() -> bool:
@@ -95,14 +97,12 @@ def spawned_to_join() -> bool:
     return _env.read("CUPYCOMM_JOIN") and MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
-def join(device: Optional[int], device_module: Any, refusal: Optional[str] = None
-         ) -> "Communicator":
-    """The grown communicator, in a process that ``comm.grow()`` started (``init()`` calls
+def join(device: Optional[int], device_module: Any, refusal: Optional[str] = None) -> Grown:
+    """The grown MPI communicator, in a process that ``comm.grow()`` started (``init()`` calls
     it): the survivors' plan, the answer, the merge, the split in world-rank order.
     ``device`` and ``device_module`` are this process's; the name, timeout and debug mode the
     survivors'. With a ``refusal`` (why this process cannot join), the survivors' grow()
     raises it, and so does this call, on every side alike."""
-    from ..communicator import Communicator
     parent = MPI.Comm.Get_parent()
     plan = parent.bcast(None, root=0)
     parent.bcast(refusal, root=MPI.ROOT if parent.Get_rank() == 0 else MPI.PROC_NULL)
@@ -113,13 +113,10 @@ def join(device: Optional[int], device_module: Any, refusal: Optional[str] = Non
     place, members = _node_gpus(grown, True, device)
     if device is None:
         device = _gpu_of_newcomer(place, members, device_module)
-    made = Communicator.create(grown, name=plan["name"], timeout=plan["timeout"],
-                               device=device, device_module=device_module, debug=plan["debug"])
-    numbering.keep(made)
-    return made
+    return Grown(grown, plan["name"], plan["timeout"], plan["debug"], device)
 
 
-def _plan(comm: "Communicator", n: int) -> Dict[str, Any]:
+def _plan(comm: Any, n: int) -> Dict[str, Any]:
     """What every rank (survivor and newcomer) follows: rank 0's numbering and settings."""
     return {"ranks": numbering.places(comm.world_ranks, n), "job": numbering.job(),
             "name": f"{comm.name}-grown", "timeout": comm.timeout, "debug": comm.debug,

@@ -19,12 +19,11 @@ Example (what a host call does)::
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, List, Tuple
+from typing import Any, List, Protocol, Tuple
 
 from mpi4py import MPI
 
-if TYPE_CHECKING:
-    from .state import Survival
+from ..errors import PeerLost
 
 __all__ = ["peer_lost", "enlist", "attach", "failed_in", "known_lost", "FAILURES"]
 
@@ -34,12 +33,22 @@ FAILURES = frozenset(getattr(MPI, name) for name in
                      ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
                      if hasattr(MPI, name))
 
+
+class Survival(Protocol):
+    """What this module asks of a communicator's :class:`.state.Survival` (which imports
+    this module)."""
+
+    def attach(self, mpi_comm: MPI.Comm) -> None: ...
+    def lose(self, call: str, seq: int) -> PeerLost: ...
+    def failed_ranks(self) -> List[int]: ...
+
+
 # The state of each communicator that survives losses, by its watchdog tracker (what the
 # host backend's calls hold).
 _BY_TRACKER: "weakref.WeakKeyDictionary[Any, Survival]" = weakref.WeakKeyDictionary()
 
 
-def enlist(tracker: Any, survival: "Survival") -> None:
+def enlist(tracker: Any, survival: Survival) -> None:
     """Translate the MPI errors of the communicator of ``tracker`` through ``survival``."""
     _BY_TRACKER[tracker] = survival
 

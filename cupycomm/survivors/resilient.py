@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Set, Tuple
 
 import numpy as np
 
-from ..communicator import Communicator
+from ..comm.communicator import Communicator
 from ..errors import CommClosedError, PeerLost, TooFewSurvivors
 from . import policy
 from .committed import State, settled

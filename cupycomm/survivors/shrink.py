@@ -24,46 +24,27 @@ Example (4 ranks, world rank 1 killed)::
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from mpi4py import MPI
 
 from ..errors import PeerLost
 from ..run import exit_records
-from .numbering import keep
-from .state import Survival, survival_of
+from .state import Survival
 
-if TYPE_CHECKING:
-    from ..communicator import Communicator
-
-__all__ = ["shrink"]
+__all__ = ["successor", "retire"]
 
 
-def shrink(comm: "Communicator") -> "Communicator":
-    """The survivors' communicator replacing ``comm``; see the module. Collective over the
-    survivors."""
-    survival = survival_of(comm, "shrink")
-    with comm.parts.tracker.inside("shrink"):
-        return _successor(comm, survival)
-
-
-def _successor(comm: "Communicator", survival: "Survival") -> "Communicator":
-    from ..communicator import Communicator
-    router = comm.parts.router
-    had_device = router.device is not None
-    successor = survival.successor("shrink")
+def successor(comm: Any, survival: Survival) -> MPI.Comm:
+    """The survivors' MPI communicator replacing ``comm`` (a Communicator, retired here); see
+    the module. Collective over the survivors."""
+    shrunk = survival.successor("shrink")
     exit_records.note_survived(survival.lost or ())   # cupycomm.run: the program recovered
     retire(comm, survival)
-    shrunk = Communicator.create(successor, name=f"{comm.name}-shrunk", timeout=comm.timeout,
-                                 device=router.device_choice, device_module=router.cupy,
-                                 debug=comm.debug, device_rank=router.device_rank)
-    if had_device:   # as the old one had: collective, a fresh unique id over ``successor``
-        shrunk.init_device()
-    keep(shrunk)   # after a grow: see numbering.keep
     return shrunk
 
 
-def retire(comm: "Communicator", survival: "Survival", by: str = "shrink") -> None:
+def retire(comm: Any, survival: Survival, by: str = "shrink") -> None:
     """Close ``comm`` and its subgroups for good, their NCCL communicators aborted; ``by``:
     the call that replaced it ("shrink" or "grow"), which its refusals name."""
     for child in survival.children():

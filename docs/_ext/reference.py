@@ -5,7 +5,8 @@
   the docstring of its type (autodoc alone would show ``float``'s).
 - Every public name (``cupycomm.__all__``, ``cupycomm.devices.__all__``,
   ``cupycomm.testing.__all__``, ``cupycomm.errors.__all__``, ``cupycomm.run.launchers.__all__``,
-  ``cupycomm.fieldtest.__all__``, ``cupycomm.selfcheck.__all__``) has an entry in the reference:
+  ``cupycomm.tools.fieldtest.__all__``, ``cupycomm.tools.selfcheck.__all__``) has an entry in
+  the reference:
   a name without one is a warning, so the build (warnings as errors) fails until the
   reference documents it.
 """
@@ -20,7 +21,7 @@ import cupycomm
 LOG = logging.getLogger(__name__)
 
 PUBLIC_MODULES = ("cupycomm", "cupycomm.devices", "cupycomm.testing", "cupycomm.errors",
-                  "cupycomm.run.launchers", "cupycomm.fieldtest", "cupycomm.selfcheck")
+                  "cupycomm.run.launchers", "cupycomm.tools.fieldtest", "cupycomm.tools.selfcheck")
 
 
 def public_names():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cupycomm
-from cupycomm.coalesce import runs_by_dtype
+from cupycomm.comm.coalesce import runs_by_dtype
 from cupycomm.testing import standin as sd
 from arrays import GPU, GPU_SKIP_REASON, STANDIN, lib_params, rank_input, reduce_reference
 from cupycomm import devices

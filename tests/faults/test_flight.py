@@ -1,6 +1,6 @@
 """The flight recorder: each communicator's ring of its last calls, the block each trigger
 prints (an abort after a timeout, an uncaught exception, SIGUSR1/2), the per-rank files, and
-``python -m cupycomm.flight`` merging them across (simulated) nodes.
+``python -m cupycomm.tools.flight`` merging them across (simulated) nodes.
 """
 import json
 import os
@@ -101,7 +101,7 @@ def test_the_summary_groups_ranks_by_node_and_place():
 def test_the_command_line_merges_the_files_of_every_rank(tmp_path):
     for s in (state(2, "nodeA", 1, "all_reduce", 2, 4.0), state(3, "nodeB", 1, "broadcast", 2)):
         (tmp_path / f"rank-{s['rank']}.json").write_text(json.dumps(s))
-    done = subprocess.run([sys.executable, "-m", "cupycomm.flight", str(tmp_path), "--calls"],
+    done = subprocess.run([sys.executable, "-m", "cupycomm.tools.flight", str(tmp_path), "--calls"],
                           capture_output=True, text=True, timeout=BOUND)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
@@ -111,7 +111,7 @@ def test_the_command_line_merges_the_files_of_every_rank(tmp_path):
         "  rank 2: #1 all_reduce mpi done", "  rank 3: #1 all_reduce mpi done"]
     empty = tmp_path / "empty"
     empty.mkdir()
-    done = subprocess.run([sys.executable, "-m", "cupycomm.flight", str(empty)],
+    done = subprocess.run([sys.executable, "-m", "cupycomm.tools.flight", str(empty)],
                           capture_output=True, text=True, timeout=BOUND)
     assert done.returncode == 2 and "no rank-<r>.json in" in done.stderr
 
@@ -127,16 +127,16 @@ def test_the_command_line_refuses_files_another_user_planted(tmp_path):
     for s in (state(0, "nodeA", 1, "all_reduce", 2), state(1, "nodeA", 1, "broadcast", 2)):
         (tmp_path / f"rank-{s['rank']}.json").write_text(json.dumps(s))
     os.chown(tmp_path / "rank-1.json", nobody, nobody)
-    done = subprocess.run([sys.executable, "-m", "cupycomm.flight", str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "cupycomm.tools.flight", str(tmp_path)],
                           capture_output=True, text=True, timeout=BOUND)
     assert done.returncode == 2 and done.stdout == "", done.stdout
-    assert (f"python -m cupycomm.flight: cannot read {tmp_path}: {tmp_path}/rank-1.json is a "
+    assert (f"python -m cupycomm.tools.flight: cannot read {tmp_path}: {tmp_path}/rank-1.json is a "
             f"regular file owned by uid {nobody} with mode 0644, expected one of this user's (uid 0) "
             f"that no other user may write: refused" in done.stderr), done.stderr
     os.chown(tmp_path / "rank-1.json", 0, 0)
     os.mkfifo(tmp_path / "rank-2.json")
     os.chown(tmp_path / "rank-2.json", nobody, nobody)
-    done = subprocess.run([sys.executable, "-m", "cupycomm.flight", str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "cupycomm.tools.flight", str(tmp_path)],
                           capture_output=True, text=True, timeout=BOUND)
     assert done.returncode == 2 and "rank-2.json is neither a file nor a directory owned by " \
                                     f"uid {nobody}" in done.stderr, done.stderr
@@ -164,7 +164,7 @@ def test_a_cross_node_mismatch_is_reported_per_node_and_merged(tmp_path):
     assert "cupycomm flight recorder (abort; communicator world, seen from rank" in job.output
     assert ("ranks 0-2 (nodeA) completed #1, wait in all_reduce #2" in job.output
             or "rank 3 (nodeB) completed #1, waits in broadcast #2" in job.output), job.output
-    merged = subprocess.run([sys.executable, "-m", "cupycomm.flight", str(records)],
+    merged = subprocess.run([sys.executable, "-m", "cupycomm.tools.flight", str(records)],
                             capture_output=True, text=True, timeout=BOUND).stdout
     lines = merged.splitlines()
     assert lines[0] == "cupycomm flight recorder: 4 ranks, communicator world", merged

@@ -18,9 +18,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from ._collectives import BACKEND_METHODS
-from ._dtypes import DTYPES
-from .work import Work
+from .._collectives import BACKEND_METHODS
+from .._dtypes import DTYPES
+from ..work import Work
 
 __all__ = ["to_native", "Foreign", "Unsupported"]
 

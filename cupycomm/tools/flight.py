@@ -1,4 +1,4 @@
-"""``python -m cupycomm.flight DIR``: merge the flight recorder's files of every rank
+"""``python -m cupycomm.tools.flight DIR``: merge the flight recorder's files of every rank
 (``CUPYCOMM_FLIGHT_RECORDER=DIR``) into one block saying where each rank was.
 
 It runs outside the job, after it or beside it. The ranks write the files
@@ -6,7 +6,7 @@ It runs outside the job, after it or beside it. The ranks write the files
 user's files are read: a link, a FIFO or another user's file under a rank's name is refused,
 named (exit status 2). Example::
 
-    $ python -m cupycomm.flight /tmp/flight --calls
+    $ python -m cupycomm.tools.flight /tmp/flight --calls
     cupycomm flight recorder: 4 ranks, communicator world
       ranks 0-2 (nodeA) completed #41, wait in all_reduce #42
       rank 3 (nodeB) completed #41, waits in broadcast #42
@@ -21,9 +21,9 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import _private as private
-from .errors import SharedFileRefused
-from .faults.flight import outcome, summarize
+from .. import _private as private
+from ..errors import SharedFileRefused
+from ..faults.flight import outcome, summarize
 
 __all__ = ["read", "main"]
 
@@ -42,9 +42,9 @@ def read(directory: str) -> List[Dict[str, Any]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m cupycomm.flight DIR [--calls]``: the one block from every rank's file."""
+    """``python -m cupycomm.tools.flight DIR [--calls]``: the one block from every rank's file."""
     parser = argparse.ArgumentParser(
-        prog="python -m cupycomm.flight",
+        prog="python -m cupycomm.tools.flight",
         description="Merge the flight recorder's files (CUPYCOMM_FLIGHT_RECORDER=DIR) of "
                     "every rank into one block: where each rank was.")
     parser.add_argument("directory")
@@ -53,11 +53,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         states = read(args.directory)
     except (OSError, ValueError, SharedFileRefused) as error:
-        print(f"python -m cupycomm.flight: cannot read {args.directory}: {error}",
+        print(f"python -m cupycomm.tools.flight: cannot read {args.directory}: {error}",
               file=sys.stderr)
         return 2
     if not states:
-        print(f"python -m cupycomm.flight: no rank-<r>.json in {args.directory}",
+        print(f"python -m cupycomm.tools.flight: no rank-<r>.json in {args.directory}",
               file=sys.stderr)
         return 2
     print(f"cupycomm flight recorder: {len(states)} ranks, communicator "

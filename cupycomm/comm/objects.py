@@ -21,9 +21,9 @@ from typing import Any, Callable, List, Optional, Sequence
 from mpi4py import MPI
 from mpi4py.util import pkl5
 
-from ._validate import Checks
-from .faults.watchdog import Tracker
-from .survivors.lost import attach, peer_lost
+from .checks import Checks
+from ..faults.watchdog import Tracker
+from ..survivors.lost import attach, peer_lost
 
 __all__ = ["Objects"]
 

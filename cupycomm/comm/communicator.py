@@ -8,30 +8,32 @@ common-case test at the top of a method and its prepared host call, else the gen
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
-from typing import Any, ContextManager, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _bootstrap, _env, _subgroups, coalesce
-from .faults import debug as _debug
-from ._comm_parts import Parts, watched
-from ._dispatch import Router
-from ._dtypes import ReduceOp
-from ._general import GeneralPath
-from ._layouts import Layouts
-from ._packing import JoinedShapes, PartShapes
-from ._validate import Checks
-from .faults.watchdog import Tracker, unwatch
-from .batch import Batch, block
-from .backends.mpi import OP_NAMES, PreparedCalls
+from .. import _bootstrap, _env
+from . import coalesce
+from ..faults import debug as _debug
+from .parts import Parts, watched
+from .route import Router
+from .._dtypes import ReduceOp
+from .general import GeneralPath
+from .layouts import Layouts
+from ..backends.shapes import JoinedShapes, PartShapes
+from .checks import Checks
+from ..faults.watchdog import Tracker, unwatch
+from .batch import Batch
+from ..backends.mpi import OP_NAMES, PreparedCalls
 from .objects import Objects
-from .survivors.grow import grow as _grow
-from .survivors.shrink import shrink as _shrink
-from .survivors.state import survival_for
-from .work import Work
+from ..survivors import grow as _grow, shrink as _shrink
+from ..survivors.numbering import keep
+from ..survivors.state import survival_for, survival_of
+from ..work import Work
 
 __all__ = ["Communicator", "Parts", "DEFAULT_TIMEOUT"]
 
@@ -367,7 +369,8 @@ class Communicator:
         """``recv(buf, src, async_op=True)``: a Work whose ``wait()`` returns ``buf``."""
         return self.recv(buf, src, async_op=True, stream=stream)
 
-    def batch(self) -> ContextManager[Batch]:
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[Batch]:
         """Issue the calls inside the block together when it ends (one set of MPI requests,
         or one NCCL group), so that sends and receives in any order cannot deadlock. Each
         call is checked as it is made and returns a Work; a block that raises issues nothing.
@@ -381,7 +384,27 @@ class Communicator:
                 comm.isend(mine, right)
             # from_left now holds the left neighbour's array: Rank 0: [2, 2]  Rank 1: [0, 0]
         """
-        return block(self._checks, self._router, self._prepared)
+        checks, prepared = self._checks, self._prepared
+        checks.check_open("batch")
+        if checks.batch is not None:
+            raise checks.fail(RuntimeError, "batch", "batch() blocks do not nest")
+        group = Batch(checks.rank)
+        # (the device's first: it refuses a block while another thread is inside a launch)
+        backends = [b for b in (self._router.device, self._router.host) if b is not None]
+        for backend in backends:
+            backend.begin_group(group)
+        checks.batch = group
+        prepared.disable()   # every call inside is queued by the general path
+        cancel = True   # unless the block ends without an exception
+        try:
+            yield group
+            cancel = False
+        finally:
+            checks.batch = None
+            if not checks.closed:
+                prepared.enable()
+            for backend in backends:
+                backend.end_group(group, cancel)
 
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
         """Wait until every rank has called barrier (processes, not CUDA streams: synchronize
@@ -389,7 +412,7 @@ class Communicator:
         self._checks.check_open("barrier")
         return self._router.host.barrier(async_op)
 
-    # -- many small arrays (see cupycomm.coalesce) ------------------------------------------------
+    # -- many small arrays (see cupycomm.comm.coalesce) -------------------------------------------
     def all_reduce_coalesced(self, arrays: Sequence[Any], *, op: Op = _SUM,
                              bucket_bytes: Optional[int] = None,
                              async_op: bool = False) -> Union[List[Any], Work]:
@@ -404,12 +427,12 @@ class Communicator:
         return coalesce.all_reduce_coalesced(self, arrays, op, bucket_bytes, async_op)
 
     def bucket(self, arrays: Sequence[Any]) -> coalesce.Bucket:
-        """A :class:`~cupycomm.coalesce.Bucket`: the arrays copied once into one flat buffer per
-        dtype; use ``bucket.arrays`` (views of it) from then on, so that every
+        """A :class:`~cupycomm.comm.coalesce.Bucket`: the arrays copied once into one flat
+        buffer per dtype; use ``bucket.arrays`` (views of it) from then on, so that every
         ``bucket.all_reduce()`` is one call per dtype without packing."""
         return coalesce.Bucket(self, arrays)
 
-    # -- Python objects (pickled: for trusted peers only; see cupycomm.objects) -------------------
+    # -- Python objects (pickled: for trusted peers only; see cupycomm.comm.objects) --------------
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Root's ``obj`` on every rank (``obj`` is only read on the root).
 
@@ -448,7 +471,10 @@ class Communicator:
             half = comm.split(comm.rank % 2)    # ranks 0, 2 and ranks 1, 3
             half.rank, half.size                # Rank 0: (0, 2)  Rank 1: (0, 2)  Rank 2: (1, 2)
         """
-        return _subgroups.split(self, color, key)
+        self._checks.check_open("split")
+        self._checks.check_split(color, key)
+        return self._subgroup(None if color is None else int(color),
+                              self.rank if key is None else int(key), f"split({color})")
 
     def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
         """A communicator of ``ranks`` (ordered by rank), None on the others; collective, with
@@ -458,7 +484,28 @@ class Communicator:
 
             group = comm.new_group([0, 2])   # Rank 0: rank 0 of 2   Rank 1: None   Rank 2: 1 of 2
         """
-        return _subgroups.new_group(self, ranks)
+        self._checks.check_open("new_group")
+        ordered = self._checks.check_members(ranks)
+        mine = self.rank in ordered
+        return self._subgroup(0 if mine else None, ordered.index(self.rank) if mine else 0,
+                              f"group{ordered}")
+
+    def _subgroup(self, color: Optional[int], key: int, label: str
+                  ) -> Optional["Communicator"]:
+        """The communicator over an MPI split of this one (and an NCCL split where this one has
+        an NCCL communicator); collective. shrink() retires it with its parent."""
+        router = self._router
+        sub = self._mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        raw = router.device.split(color, key) if router.device is not None else None
+        if color is None:
+            return None
+        child = type(self).create(sub, name=f"{self.name}/{label}", timeout=self.timeout,
+                                  device=router.device_choice, device_module=router.cupy,
+                                  debug=self.debug, device_rank=router.device_rank,
+                                  nccl_comm=raw)
+        if self.parts.survival is not None:
+            self.parts.survival.adopt(child)
+        return child
 
     # -- after a peer is lost (init(on_peer_loss="raise"); see cupycomm.survivors) ---------------
     @property
@@ -500,7 +547,18 @@ class Communicator:
             except cupycomm.PeerLost:
                 comm = comm.shrink()   # comm.size == 3, comm.world_ranks == (0, 2, 3)
         """
-        return _shrink(self)
+        survival = survival_of(self, "shrink")
+        router = self._router
+        with self.parts.tracker.inside("shrink"):
+            had_device = router.device is not None
+            shrunk = self.create(_shrink.successor(self, survival), name=f"{self.name}-shrunk",
+                                 timeout=self.timeout, device=router.device_choice,
+                                 device_module=router.cupy, debug=self.debug,
+                                 device_rank=router.device_rank)
+            if had_device:   # as this one had: collective, a fresh unique id
+                shrunk.init_device()
+            keep(shrunk)   # after a grow: see survivors.numbering.keep
+            return shrunk
 
     def grow(self, n: int, *, command: Optional[Sequence[str]] = None) -> "Communicator":
         """This communicator's ranks and ``n`` new processes (MPI's Spawn and Merge), ranks
@@ -517,7 +575,13 @@ class Communicator:
             comm = comm.shrink()   # comm.world_ranks == (0, 2, 3)
             comm = comm.grow(1)    # comm.world_ranks == (0, 1, 2, 3); rank 1 is new
         """
-        return _grow(self, n, command)
+        grown = _grow.grow(self, n, command)   # this one retired
+        router = self._router
+        made = self.create(grown.mpi_comm, name=grown.name, timeout=grown.timeout,
+                           device=grown.device, device_module=router.cupy, debug=grown.debug,
+                           device_rank=router.device_rank)
+        keep(made)
+        return made
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The Communicator's argument checks that need no backend: leading axes and splits, ranks and
 peers, a subgroup's color, key and ranks, streams, the open/closed state, and the texts of the
-errors (the arrays given alongside the data array are checked by :mod:`cupycomm._dispatch`).
+errors (the arrays given alongside the data array are checked by :mod:`cupycomm.comm.route`).
 
 Every check runs on the calling rank before any communication. A bad argument raises
 TypeError (the wrong kind of object) or ValueError (a wrong value or shape) whose message
@@ -13,9 +13,9 @@ from typing import Any, List, Optional, Type
 
 import numpy as np
 
-from ._dtypes import DTYPES, op_error
+from .._dtypes import DTYPES, op_error
 from .batch import Batch
-from .errors import CommClosedError, CommShrunkError
+from ..errors import CommClosedError, CommShrunkError
 
 __all__ = ["Checks", "kind_name", "arg_name"]
 

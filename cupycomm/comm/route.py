@@ -14,18 +14,19 @@ from typing import Any, Dict, Optional, Sequence, Tuple, cast
 import numpy as np
 from mpi4py import MPI
 
-from . import _bootstrap, _foreign
-from ._dtypes import DTYPES
-from ._validate import Checks, arg_name, kind_name
-from .backends import Collectives, DeviceBackend
-from .backends.mpi import MPIBackend
-from .faults.watchdog import Tracker
+from .. import _bootstrap
+from . import foreign
+from .._dtypes import DTYPES
+from .checks import Checks, arg_name, kind_name
+from ..backends import Collectives, DeviceBackend
+from ..backends.mpi import MPIBackend
+from ..faults.watchdog import Tracker
 
 __all__ = ["MOVES", "Route", "Router"]
 
 Route = Tuple[Collectives, Any, Any]
 """(backend, array, wire type): the backend that takes the array, the array as NumPy/CuPy
-(a view of a foreign one; the backend is then a :class:`~cupycomm._foreign.Foreign` that maps
+(a view of a foreign one; the backend is then a :class:`~cupycomm.comm.foreign.Foreign` that maps
 results back), and the backend's type for its dtype (and op): ``reductions[dtype][op]``, or
 ``movements[dtype]`` without an op, which the backend's methods take as ``spec``."""
 
@@ -122,12 +123,12 @@ class Router:
 
     def _route_foreign(self, name: str, arg: str, x: Any, collective: bool,
                        writes: bool) -> Tuple[Collectives, Any]:
-        """(a :class:`~cupycomm._foreign.Foreign` backend, the NumPy/CuPy view) of a torch,
+        """(a :class:`~cupycomm.comm.foreign.Foreign` backend, the NumPy/CuPy view) of a torch,
         numba, JAX or buffer object."""
         checks = self._checks
         try:
-            native = _foreign.to_native(x, self.device_module)
-        except _foreign.Unsupported as why:
+            native = foreign.to_native(x, self.device_module)
+        except foreign.Unsupported as why:
             raise checks.fail(TypeError, name, f"{arg} {why}") from None
         if native is None:
             raise checks.fail(TypeError, name, f"{arg} must be a NumPy or CuPy array (or "
@@ -135,13 +136,13 @@ class Router:
                                                f"__array_interface__, "
                                                f"__cuda_array_interface__ or __dlpack__), "
                                                f"got {kind_name(x)}")
-        read_only = writes and _foreign.read_only_through_dlpack(x, native)
+        read_only = writes and foreign.read_only_through_dlpack(x, native)
         if read_only:
             raise checks.fail(ValueError, name, f"{arg} {read_only}, so {name} cannot write its "
                                                 f"result there; pass a NumPy array or a "
                                                 f"buffer, or use NumPy 2.1 or newer")
         inner, native = self._route_unusual(name, arg, native, collective, writes)
-        return cast(Collectives, _foreign.Foreign(inner, native, x)), native
+        return cast(Collectives, foreign.Foreign(inner, native, x)), native
 
     def device_module(self) -> Any:
         """The device module (CuPy), loaded now if need be; TypeError where it cannot be."""
@@ -205,7 +206,7 @@ class Router:
                 raise RuntimeError(f"init_device: no GPU is usable on rank "
                                    f"{self._checks.rank} (CuPy "
                                    f"{'is missing' if self.cupy is None else 'sees none'})")
-            from .backends.nccl import NcclBackend
+            from ..backends.nccl import NcclBackend
             device = NcclBackend(self._mpi, device_id, self.cupy, self._tracker, nccl_comm)
             self.backends[device.array_type] = device
             self._tracker.device = self.device = device
@@ -249,7 +250,7 @@ class Router:
         if native.dtype != like.dtype:
             raise fail(TypeError, name, f"{arg} has dtype {native.dtype}, expected "
                                         f"{like.dtype} (the input's)")
-        if native is not other and isinstance(b, _foreign.Foreign):
+        if native is not other and isinstance(b, foreign.Foreign):
             b.remember(native, other)
         return native
 

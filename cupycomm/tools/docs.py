@@ -1,16 +1,16 @@
 """Docs generated from the code, so that they cannot drift: the dtype x op table, the table of
-calls and the environment variables (``python -m cupycomm._docs`` prints them)."""
+calls and the environment variables (``python -m cupycomm.tools.docs`` prints them)."""
 from __future__ import annotations
 
 from typing import Type, Union
 
 import numpy as np
 
-from ._collectives import CALLS, INTERNAL
-from ._dtypes import DTYPES, ReduceOp
-from ._env import VARIABLES
-from .backends.mpi import MPIBackend
-from .backends.nccl import NcclBackend
+from .._collectives import CALLS, INTERNAL
+from .._dtypes import DTYPES, ReduceOp
+from .._env import VARIABLES
+from ..backends.mpi import MPIBackend
+from ..backends.nccl import NcclBackend
 
 
 def _backend_cell(backend: Union[Type[MPIBackend], Type[NcclBackend]], dtype: np.dtype) -> str:

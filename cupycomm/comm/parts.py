@@ -1,4 +1,4 @@
-"""The parts a :class:`~cupycomm.communicator.Communicator` is made of, as cupycomm's own
+"""The parts a :class:`~cupycomm.comm.communicator.Communicator` is made of, as cupycomm's own
 modules see them (:class:`Parts`), and the collective making of the watched one
 (:func:`watched`: the node's board, the heartbeats, the watchdog's tracker).
 
@@ -12,21 +12,22 @@ from typing import NamedTuple, Optional, Tuple
 
 from mpi4py import MPI
 
-from . import _bootstrap, coalesce
-from ._dispatch import Router
-from ._validate import Checks
-from .faults.board import NodeBoard
-from .faults.heartbeat import Heartbeats
-from .faults.watchdog import Tracker, watch
-from .survivors.numbering import world_ranks
-from .survivors.state import Survival
+from .. import _bootstrap
+from . import coalesce
+from .route import Router
+from .checks import Checks
+from ..faults.board import NodeBoard
+from ..faults.heartbeat import Heartbeats
+from ..faults.watchdog import Tracker, watch
+from ..survivors.numbering import world_ranks
+from ..survivors.state import Survival
 
 __all__ = ["Parts", "watched"]
 
 
 class Parts(NamedTuple):
-    """The parts of a :class:`~cupycomm.communicator.Communicator` that cupycomm's own
-    modules use (``coalesce``, ``faults.debug``, ``_subgroups``, ``survivors``); not a public
+    """The parts of a :class:`~cupycomm.comm.communicator.Communicator` that cupycomm's own
+    modules use (``coalesce``, ``faults.debug``, ``survivors``); not a public
     API."""
 
     checks: Checks            # argument checks, the closed state and the open batch() block

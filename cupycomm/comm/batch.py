@@ -11,19 +11,20 @@ calls, not both. Each call inside returns a Work that completes with the block.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-if TYPE_CHECKING:   # the types only: _validate imports this module
-    from ._dispatch import Router
-    from ._validate import Checks
-    from .backends.mpi import PreparedCalls
-
-__all__ = ["Batch", "block"]
+__all__ = ["Batch"]
 
 
 class Batch:
-    """The state of one open block, shared by the backends while it is open."""
+    """The state of one open block (``comm.batch()`` opens and ends it), shared by the
+    backends while it is open.
+
+    Example::
+
+        with comm.batch() as group:
+            comm.isend(x, 1)   # checked and queued; group.works holds its Work
+    """
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -40,36 +41,3 @@ class Batch:
             raise TypeError(f"batch: {label} on {kind} arrays cannot join a block of "
                             f"{self.kind} calls (one block is one set of MPI requests or one "
                             f"NCCL group) on rank {self.rank}")
-
-
-@contextlib.contextmanager
-def block(checks: Checks, router: Router, prepared: PreparedCalls) -> Iterator[Batch]:
-    """``comm.batch()``: open a block on the communicator of these parts, queue its calls
-    through the general path (the prepared calls off meanwhile), issue them at its end, or
-    none if it raises.
-
-    Example (what ``with comm.batch():`` runs)::
-
-        with block(checks, router, prepared) as group:
-            comm.isend(x, 1)   # checked and queued; group.works holds its Work
-    """
-    checks.check_open("batch")
-    if checks.batch is not None:
-        raise checks.fail(RuntimeError, "batch", "batch() blocks do not nest")
-    group = Batch(checks.rank)
-    # (the device's first: it refuses a block while another thread is inside a launch)
-    backends = [b for b in (router.device, router.host) if b is not None]
-    for backend in backends:
-        backend.begin_group(group)
-    checks.batch = group
-    prepared.disable()   # every call inside is queued by the general path
-    cancel = True   # unless the block ends without an exception
-    try:
-        yield group
-        cancel = False
-    finally:
-        checks.batch = None
-        if not checks.closed:
-            prepared.enable()
-        for backend in backends:
-            backend.end_group(group, cancel)

@@ -11,9 +11,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._dispatch import Router
-from ._packing import JoinedShapes
-from ._validate import Checks
+from .route import Router
+from ..backends.shapes import JoinedShapes
+from .checks import Checks
 
 __all__ = ["Layouts"]
 

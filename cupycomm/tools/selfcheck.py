@@ -7,7 +7,7 @@ a verdict and a time, then ``self-check passed`` or ``self-check FAILED``. :func
 the exit status: 1 if any check failed on any rank, else 0.
 
 The checks and the way their verdicts are agreed on are also those of the field-test report
-(:mod:`cupycomm.fieldtest`), which runs them over several dtypes.
+(:mod:`cupycomm.tools.fieldtest`), which runs them over several dtypes.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
-from .run import launchers
-from ._bootstrap import node_name
-from .backends.nccl import library_version
+from ..run import launchers
+from .._bootstrap import node_name
+from ..backends.nccl import library_version
 
 __all__ = ["Verdict", "NotRun", "collective_checks", "verdicts", "mpi_environment", "gpu_name",
            "main"]

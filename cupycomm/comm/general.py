@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ._dispatch import Router
-from ._layouts import Layouts
-from ._packing import JoinedShapes
-from ._validate import Checks
+from .route import Router
+from .layouts import Layouts
+from ..backends.shapes import JoinedShapes
+from .checks import Checks
 
 __all__ = ["GeneralPath"]
 

@@ -26,11 +26,11 @@ import contextlib
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ._dispatch import MOVES
-from ._packing import views_of
-from ._validate import kind_name
-from .faults import debug
-from .work import Work, WorkGroup
+from .route import MOVES
+from ..backends.shapes import views_of
+from .checks import kind_name
+from ..faults import debug
+from ..work import Work, WorkGroup
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_coalesced", "Bucket", "Plan", "Staging",
            "runs_by_dtype"]

@@ -44,13 +44,13 @@ import numpy as np
 from mpi4py import MPI
 
 import cupycomm
-from . import _private as private, devices
-from ._bootstrap import node_name
-from .backends.nccl import library_version
-from .bench.cli import Options
-from .bench.collectives import ROWS
-from .bench.libraries import device_setup
-from .bench.run import Progress, measure_collective
+from .. import _private as private, devices
+from .._bootstrap import node_name
+from ..backends.nccl import library_version
+from ..bench.cli import Options
+from ..bench.collectives import ROWS
+from ..bench.libraries import device_setup
+from ..bench.run import Progress, measure_collective
 from .selfcheck import (NotRun, Verdict, collective_checks, gpu_name, mpi_environment,
                         verdicts)
 
