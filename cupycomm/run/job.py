@@ -61,7 +61,7 @@ LOST_GRACE = 3.0
 """Seconds the job has to end after a rank on this host died without recording its end."""
 
 USAGE = """\
-usage: {prog} -n N [options] [launcher options] PROGRAM
+usage: cupycomm-run -n N [options] [launcher options] PROGRAM
 
 Starts PROGRAM on N ranks with the launcher at hand (the environment's mpiexec, or srun) and
 exits non-zero, naming the rank, if any rank did not finish: a launcher can say 0 for a job
@@ -91,7 +91,7 @@ exit status:
   2                  a command line that cannot be run (the line says why)
   128 + N            stopped by signal N (Ctrl-C: 130), forwarded to the job
 """
-"""The text of ``--help`` (``{prog}``: how the tool was called)."""
+"""The text of ``--help`` (its first line names the tool as it was called)."""
 
 # The launchers' options for rank-prefixed output, and how one passes a variable to ranks on
 # other nodes (Open MPI passes only the variables it is told to; the others pass them all).
@@ -476,7 +476,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _check(options, launcher)
         directory = _job_directory(options.job_dir)
     except UsageError as why:
-        usage = USAGE.format(prog=_prog())
+        usage = USAGE.replace("cupycomm-run", _prog(), 1)
         if not str(why):
             sys.stdout.write(usage)
             return 0

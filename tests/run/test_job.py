@@ -237,6 +237,13 @@ def test_the_console_script_is_installed_and_its_help_names_it():
     assert done.stdout.startswith("usage: cupycomm-run -n N "), done.stdout
 
 
+def test_the_usage_the_reference_prints_is_the_help_of_the_console_script():
+    """docs/reference/run.md prints ``USAGE`` as it is (autodoc): it showed a ``{prog}``
+    placeholder where the help names the tool."""
+    assert "USAGE" in (Path(__file__).parents[2] / "docs" / "reference" / "run.md").read_text()
+    assert launch.USAGE.startswith("usage: cupycomm-run -n N ") and "{" not in launch.USAGE
+
+
 def test_the_help_says_what_the_tool_is_for_and_its_exit_statuses():
     done = subprocess.run([sys.executable, "-m", "cupycomm.run", "--help"],
                           capture_output=True, text=True, timeout=BOUND)
