@@ -95,7 +95,7 @@ FLOORS = (
     ("process", ("_private", "_bootstrap", "run.exit_records")),
     ("below the Communicator", ("backends", "work", "faults", "survivors.lost",
                                 "survivors.state", "survivors.policy", "survivors.numbering",
-                                "survivors.shrink", "survivors.grow", "survivors")),
+                                "survivors.grow", "survivors")),
     ("the Communicator", ("comm",)),
     ("its callers", ("_init", "devices", "survivors.committed", "survivors.resilient")),
     ("tools", ("", "__main__", "tools", "bench", "testing", "run")),

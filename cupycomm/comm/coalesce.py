@@ -112,7 +112,7 @@ def all_reduce_coalesced(comm: Any, arrays: Sequence[Any], op: Any = "sum",
                                                        f"int, got {bucket_bytes!r}")
     runs, natives, xp = _runs(comm, name, arrays, op, limit)
     if comm.debug:
-        debug.check_list(comm, name, natives, op=op, bucket_bytes=limit)
+        debug.check_list(comm.parts, name, natives, op=op, bucket_bytes=limit)
     with _device_of(comm, xp):
         return _all_reduce_runs(comm, name, arrays, runs, natives, xp, op, async_op)
 
@@ -247,7 +247,7 @@ class Bucket:
 
     def _each(self, name: str, call, **arguments: Any) -> Union[List[Any], Work]:
         if self._comm.debug:
-            debug.check_list(self._comm, name, self.arrays, **arguments)
+            debug.check_list(self._comm.parts, name, self.arrays, **arguments)
         works = [call(flat) for flat in self.flats]
         if works and isinstance(works[0], Work):
             return WorkGroup(works, self.arrays, f"bucket of {len(self.arrays)} arrays")

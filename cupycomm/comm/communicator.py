@@ -30,9 +30,11 @@ from ..faults.watchdog import Tracker, unwatch
 from .batch import Batch
 from ..backends.mpi import OP_NAMES, PreparedCalls
 from .objects import Objects
-from ..survivors import grow as _grow, shrink as _shrink
+from ..errors import PeerLost
+from ..run import exit_records
+from ..survivors import grow as _grow
 from ..survivors.numbering import keep
-from ..survivors.state import survival_for, survival_of
+from ..survivors.state import Survival, survival_for
 from ..work import Work
 
 __all__ = ["Communicator", "Parts", "DEFAULT_TIMEOUT"]
@@ -102,7 +104,7 @@ class Communicator:
             router.init_device(nccl_comm)
         self.debug = debug
         if debug:
-            _debug.install(self)
+            _debug.install(self, self.parts)
         _bootstrap.track_for_exit(self)
         # collected unclosed: warn, and free nothing in the collecting thread (any thread)
         self._unclosed = weakref.finalize(self, _collected_unclosed, self.name, self.rank,
@@ -537,8 +539,7 @@ class Communicator:
         :attr:`world_ranks`); collective over the survivors. This one, its subgroups and
         buckets refuse every call from then on (:class:`~cupycomm.errors.CommShrunkError`).
         Needs ``init(on_peer_loss="raise")``. RuntimeError on every survivor, this one kept,
-        where they stand at different calls (agree first: :meth:`agree`). See
-        :mod:`cupycomm.survivors.shrink`.
+        where they stand at different calls (agree first: :meth:`agree`).
 
         Example (4 ranks, world rank 1 killed)::
 
@@ -547,14 +548,16 @@ class Communicator:
             except cupycomm.PeerLost:
                 comm = comm.shrink()   # comm.size == 3, comm.world_ranks == (0, 2, 3)
         """
-        survival = survival_of(self, "shrink")
+        survival = self._survival("shrink")
         router = self._router
         with self.parts.tracker.inside("shrink"):
             had_device = router.device is not None
-            shrunk = self.create(_shrink.successor(self, survival), name=f"{self.name}-shrunk",
-                                 timeout=self.timeout, device=router.device_choice,
-                                 device_module=router.cupy, debug=self.debug,
-                                 device_rank=router.device_rank)
+            successor = survival.successor("shrink")   # refused where survivors disagree
+            exit_records.note_survived(survival.lost or ())   # cupycomm.run: it recovered
+            self._retire(survival, "shrink")
+            shrunk = self.create(successor, name=f"{self.name}-shrunk", timeout=self.timeout,
+                                 device=router.device_choice, device_module=router.cupy,
+                                 debug=self.debug, device_rank=router.device_rank)
             if had_device:   # as this one had: collective, a fresh unique id
                 shrunk.init_device()
             keep(shrunk)   # after a grow: see survivors.numbering.keep
@@ -575,13 +578,43 @@ class Communicator:
             comm = comm.shrink()   # comm.world_ranks == (0, 2, 3)
             comm = comm.grow(1)    # comm.world_ranks == (0, 1, 2, 3); rank 1 is new
         """
-        grown = _grow.grow(self, n, command)   # this one retired
+        survival = self._survival("grow")
+        grown = _grow.grow(self, self.parts, n, command)
+        self._retire(survival, "grow")
         router = self._router
         made = self.create(grown.mpi_comm, name=grown.name, timeout=grown.timeout,
                            device=grown.device, device_module=router.cupy, debug=grown.debug,
                            device_rank=router.device_rank)
         keep(made)
         return made
+
+    def _survival(self, call: str) -> Survival:
+        """This communicator's state for ``call`` (shrink, grow), which needs the "raise"
+        mode: CommClosedError where it is closed, RuntimeError where a loss ends the job."""
+        self._checks.check_open(call)
+        if self.parts.survival is None:
+            raise RuntimeError(f"{call}: this communicator ends the job when a peer is lost; "
+                               f"{call}() needs cupycomm.init(on_peer_loss='raise') (rank "
+                               f"{self.rank})")
+        return self.parts.survival
+
+    def _retire(self, survival: Survival, by: str) -> None:
+        """Close this communicator and its subgroups for good (every later call:
+        CommShrunkError naming ``by``), their NCCL communicators aborted, never destroyed:
+        after an abortive shrink NCCL >= 2.31 hangs in ncclCommDestroy (pytorch#194679)."""
+        for child in survival.children():
+            if child.parts.survival is not None:
+                child._retire(child.parts.survival, by)
+        survival.discard()
+        survival.revoke()
+        self._checks.shrunk = by
+        device = self._router.device
+        if device is not None:
+            device.abort(f"the communicator was replaced by {by}()", survival.lost or ())
+        try:
+            self.close()
+        except (PeerLost, MPI.Exception):
+            pass   # its calls in flight failed: the peers they waited for are gone
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -111,7 +111,7 @@ def _splits_mismatch(splits: List[Tuple]) -> str:
     return ""
 
 
-def _checked(comm: Any, name: str, method: Callable) -> Callable:
+def _checked(parts: Any, name: str, method: Callable) -> Callable:
     parameters = list(inspect.signature(method).parameters.values())
     names = [p.name for p in parameters]
     defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
@@ -119,54 +119,55 @@ def _checked(comm: Any, name: str, method: Callable) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         if len(args) > len(names) or not set(kwargs) <= set(names):
             return method(*args, **kwargs)   # the call's own TypeError, on every rank alike
-        comm.parts.checks.check_open(name)
+        parts.checks.check_open(name)
         given = dict(zip(names, args), **kwargs)
         arguments = {n: given[n] if n in given else defaults[n] for n in names
                      if n in given or n in defaults}
-        _compare(comm, name, fingerprint(name, arguments),
+        _compare(parts, name, fingerprint(name, arguments),
                  tuple(arguments.get(key) for key in _SPLITS))
         return method(*args, **kwargs)
     return call
 
 
-def check_list(comm: Any, name: str, arrays: Sequence[Any], **arguments: Any) -> None:
+def check_list(parts: Any, name: str, arrays: Sequence[Any], **arguments: Any) -> None:
     """Debug mode's check of call ``name`` on a list of ``arrays`` (and ``arguments``, such
     as the op): each array's library, dtype, size and contiguity, in order, must agree across
     ranks; else CollectiveMismatch on every rank, naming who differs. Collective.
 
     Example::
 
-        check_list(comm, "all_reduce_coalesced", grads, op="sum")
+        check_list(comm.parts, "all_reduce_coalesced", grads, op="sum")
     """
-    comm.parts.checks.check_open(name)
-    _compare(comm, name, (name, (("arrays", _array_print(list(arrays))),)
+    parts.checks.check_open(name)
+    _compare(parts, name, (name, (("arrays", _array_print(list(arrays))),)
                           + tuple((key, str(value)) for key, value in arguments.items())))
 
 
-def _compare(comm: Any, name: str, print_: Tuple, splits: Tuple = (None, None)) -> None:
+def _compare(parts: Any, name: str, print_: Tuple, splits: Tuple = (None, None)) -> None:
     """Raise CollectiveMismatch on every rank unless every rank's ``print_`` (and
     ``splits``) agree. Ranks compare a checksum in one small allgather; only on a difference
     (or when uneven splits are given, which only the whole exchange can cross-check) do they
     exchange the whole fingerprints, to say who differs and how."""
     checksum = zlib.crc32(repr(print_).encode())
-    checksums = comm.parts.router.host.gather_ints([checksum], "debug check")
+    checksums = parts.router.host.gather_ints([checksum], "debug check")
     if (checksums != checksum).any() or splits != (None, None):
-        gathered = comm.parts.router.host.gather_objects((print_, splits), "debug check")
-        _raise_on_disagreement(comm, name, print_, gathered)
+        gathered = parts.router.host.gather_objects((print_, splits), "debug check")
+        _raise_on_disagreement(parts.checks.rank, parts.tracker.seq + 1, name, print_, gathered)
 
 
-def _raise_on_disagreement(comm: Any, name: str, mine: Tuple, gathered: List[Tuple]) -> None:
+def _raise_on_disagreement(rank: int, seq: int, name: str, mine: Tuple,
+                           gathered: List[Tuple]) -> None:
     prints = [p for p, _ in gathered]
-    seq = comm.parts.tracker.seq + 1
     if any(p != mine for p in prints):
-        raise CollectiveMismatch(f"{name} {_mismatch(seq, prints)} (seen on rank {comm.rank})")
+        raise CollectiveMismatch(f"{name} {_mismatch(seq, prints)} (seen on rank {rank})")
     disagreement = _splits_mismatch([s for _, s in gathered])
     if disagreement:
-        raise CollectiveMismatch(f"{name} #{seq}: {disagreement} (seen on rank {comm.rank})")
+        raise CollectiveMismatch(f"{name} #{seq}: {disagreement} (seen on rank {rank})")
 
 
-def install(comm: Any) -> None:
-    """Route ``comm``'s collectives through the fingerprint check (instance attributes, so
-    the class's call path, used without debug mode, stays as it is)."""
+def install(comm: Any, parts: Any) -> None:
+    """Route the collectives of ``comm`` (whose ``parts`` they use) through the fingerprint
+    check (instance attributes, so the class's call path, used without debug mode, stays as
+    it is)."""
     for call in CHECKED:
-        setattr(comm, call.name, _checked(comm, call.name, getattr(comm, call.name)))
+        setattr(comm, call.name, _checked(parts, call.name, getattr(comm, call.name)))

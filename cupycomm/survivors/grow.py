@@ -10,7 +10,7 @@ world-rank order again: after world rank 1 of 4 was lost and ``shrink()`` gave
 process's ``cupycomm.init()`` finds that it was started so (MPI's ``Get_parent`` and the
 ``CUPYCOMM_JOIN`` variable that the spawn sets) and joins (:func:`join`), returning the
 grown communicator; :func:`~cupycomm.survivors.numbering.joined_late` tells the program.
-The old communicator is retired as after ``shrink()`` (``shrink.retire``: every call
+The old communicator is retired as after ``shrink()`` (every call
 refused with :class:`~cupycomm.errors.CommShrunkError`). The grown communicator makes its NCCL
 communicator on its first device collective (or ``init_device()``), from a fresh unique id
 broadcast over the grown MPI communicator, as ``init()``'s does. A newcomer takes a GPU that
@@ -39,8 +39,6 @@ from mpi4py import MPI
 from .. import _bootstrap, _env
 from . import numbering
 from .lost import peer_lost
-from .shrink import retire
-from .state import survival_of
 
 __all__ = ["grow", "join", "spawned_to_join", "Grown"]
 
@@ -58,14 +56,13 @@ class Grown(NamedTuple):
     device: Optional[int]
 
 
-def grow(comm: Any, n: int, command: Optional[Sequence[str]] = None) -> Grown:
-    """The MPI communicator of the ranks of ``comm`` (a Communicator, retired here) and ``n``
-    new processes running ``command`` (default: this program again), ranks in world-rank
-    order; see the module. Collective over ``comm``'s ranks; the new processes join in their
-    ``cupycomm.init()``."""
-    survival = survival_of(comm, "grow")
+def grow(comm: Any, parts: Any, n: int, command: Optional[Sequence[str]] = None) -> Grown:
+    """The MPI communicator of the ranks of ``comm`` (a Communicator, whose ``parts`` are
+    given) and ``n`` new processes running ``command`` (default: this program again), ranks
+    in world-rank order; see the module. Collective over ``comm``'s ranks; the new processes
+    join in their ``cupycomm.init()``."""
     argv = _command(comm.rank, n, command)
-    tracker = comm.parts.tracker
+    tracker = parts.tracker
     with tracker.inside("grow"):
         mpi = cast(MPI.Intracomm, comm.mpi_comm)
         try:
@@ -83,12 +80,10 @@ def grow(comm: Any, n: int, command: Optional[Sequence[str]] = None) -> Grown:
             raise RuntimeError(f"grow: the new process(es) running {' '.join(argv)!r} did "
                                f"not join: {refusal} (rank {comm.rank})")
         grown = _merge(spawned, plan, comm.world_ranks[comm.rank], high=False)
-        router = comm.parts.router   # (its device: where the device module is loaded)
+        router = parts.router   # (its device: where the device module is loaded)
         _node_gpus(grown, False, router.device_number() if router.cupy is not None
                    else router.device_choice)
-    retire(comm, survival, "grow")
-    return Grown(grown, plan["name"], plan["timeout"], plan["debug"],
-                 comm.parts.router.device_choice)
+    return Grown(grown, plan["name"], plan["timeout"], plan["debug"], router.device_choice)
 
 
 def spawned_to_join() -> bool:

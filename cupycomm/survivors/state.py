@@ -37,7 +37,7 @@ from . import policy
 from .lost import FAILURES, enlist, failed_in
 from .numbering import keep, note_lost, world_ranks
 
-__all__ = ["Survival", "survival_for", "survival_of"]
+__all__ = ["Survival", "survival_for"]
 
 #: Seconds a rank whose call was revoked by another survivor waits for its own MPI to name
 #: the lost ranks (ULFM tells every process of a failure; a revoke may come first).
@@ -55,18 +55,6 @@ def survival_for(mpi_comm: MPI.Comm, tracker: Any, router: Any) -> Optional["Sur
         return None
     survival = Survival(mpi_comm, router, tracker)
     enlist(tracker, survival)
-    return survival
-
-
-def survival_of(comm: Any, call: str) -> "Survival":
-    """The state of ``comm`` for ``call`` (shrink, grow), which needs the "raise" mode:
-    CommClosedError where ``comm`` is closed, RuntimeError where a loss ends the job."""
-    comm.parts.checks.check_open(call)
-    survival = comm.parts.survival
-    if survival is None:
-        raise RuntimeError(f"{call}: this communicator ends the job when a peer is lost; "
-                           f"{call}() needs cupycomm.init(on_peer_loss='raise') (rank "
-                           f"{comm.rank})")
     return survival
 
 
