@@ -360,17 +360,23 @@ def test_hydras_own_failure_after_every_rank_finished_is_not_the_jobs():
                           launcher_failed=True)[0] == 255
 
 
-@pytest.mark.skipif(launchers.find().kind != "hydra", reason="hydra's own failure")
-def test_a_job_that_finished_ends_0_though_hydra_then_failed_on_its_own(tmp_path):
-    """A stand-in for hydra runs the job with the real one, then fails as hydra does when
-    it races its exiting proxies: cupycomm.run passes its words on and ends 0."""
+def _hydra_then(tmp_path, after):
+    """A stand-in for hydra: the real one runs the job, then the shell runs ``after``."""
     fake, real = tmp_path / "mpiexec", launchers.find().executable
     fake.write_text(f"#!/bin/sh\n"
                     f"if [ \"$1\" = --version ]; then exec {real} \"$@\"; fi\n"
                     f"{real} \"$@\"\n"
-                    f"echo '[mpiexec@vm] control_cb: unable to send SIGUSR1 downstream' >&2\n"
-                    f"exit 255\n")
+                    f"{after}\n")
     fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.skipif(launchers.find().kind != "hydra", reason="hydra's own failure")
+def test_a_job_that_finished_ends_0_though_hydra_then_failed_on_its_own(tmp_path):
+    """A stand-in for hydra runs the job with the real one, then fails as hydra does when
+    it races its exiting proxies: cupycomm.run passes its words on and ends 0."""
+    fake = _hydra_then(tmp_path, "echo '[mpiexec@vm] control_cb: unable to send SIGUSR1 "
+                                 "downstream' >&2; exit 255")
     code, out, err = cupycomm_run(tmp_path, FINISHES, 2, "--mpiexec", str(fake), "job.py")
     assert code == 0, out + err
     assert "unable to send SIGUSR1 downstream" in err, err
@@ -387,13 +393,7 @@ def test_hydra_writing_to_a_proxy_already_gone_is_not_killed_by_sigpipe(tmp_path
     process writing to a pipe or socket with no reader (pipe(7)); a stand-in for hydra
     sends it to itself after the job: cupycomm.run must start the launcher with SIGPIPE
     ignored, as Python itself runs, so that such a write fails with EPIPE instead."""
-    fake, real = tmp_path / "mpiexec", launchers.find().executable
-    fake.write_text(f"#!/bin/sh\n"
-                    f"if [ \"$1\" = --version ]; then exec {real} \"$@\"; fi\n"
-                    f"{real} \"$@\" || exit $?\n"
-                    f"kill -PIPE $$\n"
-                    f"exit 0\n")
-    fake.chmod(0o755)
+    fake = _hydra_then(tmp_path, "kill -PIPE $$; exit 0")
     code, out, err = cupycomm_run(tmp_path, FINISHES, 2, "--mpiexec", str(fake), "job.py")
     assert code == 0, out + err
 
