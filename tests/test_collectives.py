@@ -147,6 +147,20 @@ def test_reduce_op_enum_and_string_agree(lib, comm, op):
     np.testing.assert_array_equal(lib.numpy(by_enum), lib.numpy(by_name))
 
 
+@pytest.mark.parametrize("holder", ["first", "last"])
+def test_the_dtypes_guides_way_with_nan_gives_every_rank_the_same_answer(lib, comm, holder):
+    """docs/guide/dtypes-and-ops.md: max/min with a NaN keep or drop it by the rank that
+    holds it (MPICH); agree on NaN first with a sum (NaN on every rank), then reduce with
+    NaN replaced (-inf for max): the same, right answer on every rank."""
+    nan_rank = 0 if holder == "first" else comm.size - 1
+    x = np.array([comm.rank + 1.0, np.nan if comm.rank == nan_rank else 2.0])
+    assert np.isnan(lib.numpy(comm.all_reduce(lib.array(x), op="sum"))[1])
+    replaced = comm.all_reduce(lib.array(np.where(np.isnan(x), -np.inf, x)), op="max")
+    lib.synchronize()
+    np.testing.assert_array_equal(lib.numpy(replaced),
+                                  [comm.size, 2.0 if comm.size > 1 else -np.inf])
+
+
 @pytest.mark.parametrize("root_choice", ["first", "middle", "last"])
 def test_every_root(lib, comm, root_choice):
     root = {"first": 0, "middle": comm.size // 2, "last": comm.size - 1}[root_choice]
