@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -29,6 +29,7 @@ from .survivors import grow, numbering, policy
 __all__ = ["init"]
 
 _default: Optional[Communicator] = None   # init()'s communicator of every rank of the job
+_default_made_with: Dict[str, Any] = {}    # its device= and on_peer_loss mode
 
 
 def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
@@ -105,6 +106,8 @@ def init(mpi_comm: Optional[MPI.Comm] = None, *, device: Optional[int] = None,
                                    device_module=device_module, debug=debug)
     if mpi_comm is None:
         _default = comm
+        _default_made_with.update(device=grown.device if joining else device,
+                                  on_peer_loss="raise" if policy.raising() else "abort")
     return comm
 
 
@@ -124,10 +127,9 @@ def _current(device: Optional[int], timeout: Optional[float], debug: Optional[bo
     else ValueError), or None."""
     if _default is None or _default.closed:
         return None
-    asked = {"device": (device, _default.parts.router.device_choice),
+    asked = {"device": (device, _default_made_with["device"]),
              "timeout": (timeout, _default.timeout), "debug": (debug, _default.debug),
-             "on_peer_loss": (on_peer_loss,
-                              "abort" if _default.parts.survival is None else "raise")}
+             "on_peer_loss": (on_peer_loss, _default_made_with["on_peer_loss"])}
     for name, (wanted, current) in asked.items():
         if wanted is not None and wanted != current:
             raise ValueError(f"init: already initialized with {name}={current!r}, now "

@@ -217,6 +217,25 @@ def test_no_module_reads_the_communicators_private_attributes():
     assert found == []
 
 
+def test_only_the_communicators_folder_reaches_into_its_parts():
+    """``comm.parts`` is the Communicator's own business: another module gets what it needs
+    handed over (debug mode, survivors' grow). One exception: ``survivors/committed.py``
+    waits for a communicator's device collectives (the NCCL backend's ``settle``), which
+    has no public face yet."""
+    allowed = {pathlib.Path("survivors/committed.py")}
+    found = []
+    for path in _modules():
+        if path.relative_to(PACKAGE).parts[0] == "comm" or path.relative_to(PACKAGE) in allowed:
+            continue
+        tree = ast.parse(path.read_text())
+        called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+        found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} reads .parts"
+                  for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                  and node.attr == "parts" and id(node) not in called
+                  and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert found == []
+
+
 def _methods(protocol):
     return {name for klass in protocol.__mro__ if klass.__module__ == backends.__name__
             for name, member in vars(klass).items()
