@@ -1,18 +1,10 @@
 """``comm.shrink()``: the survivors' communicator, after a peer was lost.
 
-On MPI: revoke, agree on who is gone and shrink (:meth:`.state.Survival.successor`, ULFM's
-``MPI_Comm_shrink``), then agree that every survivor stands at the same call: where a call
-that the loss broke completed on some survivors and raised PeerLost on others, they have
-issued different numbers of calls since their last ``comm.agree`` and the shrink is
-refused on every survivor alike (RuntimeError, naming ``comm.agree`` and
-``cupycomm.resilient``), never handed to a program that would redo different steps. On the
-device: the old NCCL communicator is aborted on every survivor,
-never destroyed (after an abortive shrink NCCL >= 2.31 hangs in ncclCommDestroy,
-pytorch#194679; CuPy 14 has neither ncclCommShrink nor ncclCommRevoke), and the successor
-makes a new one from a fresh unique id broadcast over the shrunk MPI communicator, on the
-same GPU. The old communicator, its subgroups, its buckets and prepared calls then refuse
-every call with :class:`~cupycomm.errors.CommShrunkError`. World ranks stay the job's
-(``comm.world_ranks``).
+On MPI: ULFM's revoke, agree and shrink (:meth:`.state.Survival.successor`), refused on every
+survivor alike where they stand at different calls. On the device: the old NCCL
+communicator is aborted, never destroyed (NCCL >= 2.31 hangs in ncclCommDestroy after an
+abortive shrink, pytorch#194679), and the successor makes a new one from a fresh unique id.
+The old communicator then refuses every call (:class:`~cupycomm.errors.CommShrunkError`).
 
 Example (4 ranks, world rank 1 killed)::
 
@@ -20,7 +12,6 @@ Example (4 ranks, world rank 1 killed)::
         comm.all_reduce(x)
     except cupycomm.PeerLost as lost:    # lost.ranks == (1,) on ranks 0, 2 and 3
         comm = comm.shrink()             # 3 ranks; comm.world_ranks == (0, 2, 3)
-                                         # (RuntimeError if one's all_reduce completed)
 """
 from __future__ import annotations
 
@@ -56,7 +47,7 @@ def retire(comm: Any, survival: Survival, by: str = "shrink") -> None:
     parts = comm.parts
     parts.checks.shrunk = by   # every later call: CommShrunkError
     device = parts.router.device
-    if device is not None:   # aborted, never destroyed (see the module)
+    if device is not None:   # aborted, never destroyed: NCCL's destroy may hang
         device.abort(f"the communicator was replaced by {by}()", survival.lost or ())
     try:
         comm.close()
