@@ -734,12 +734,10 @@ class NcclBackend:
 
     def _end(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> None:
         """Abort the NCCL communicator for ``reason`` (under ``_lifetime``), or keep it where
-        ncclCommAbort would wait on CUDA graphs (:meth:`_keep`). The async Works whose
-        collectives have not completed are cut short: the abort completes their events with
-        undefined outputs (NCCL's user guide, "Error handling and communicator abort"; an
-        H200 wrote zeros), so each then holds a :class:`_CutShort` in place of its event and
-        this backend, and raises the abort's error (as :meth:`_was_aborted` says it then)
-        instead of returning its result; the flight recorder says they were aborted."""
+        ncclCommAbort would wait on CUDA graphs (:meth:`_keep`); each async Work not completed
+        is cut short (:class:`_CutShort`, raising :meth:`_was_aborted`'s error), since the
+        abort completes its event with an undefined output (NCCL's user guide, "Error handling
+        and communicator abort"; an H200 wrote zeros). The flight recorder says so."""
         cut = self._unfinished()
         self._aborted, self._lost = reason, lost
         if self._captures:
