@@ -3,18 +3,13 @@ of it.
 
 The watchdog names the call a rank waits in (the board stores ``code``), debug mode
 fingerprints ``data``, :class:`~cupycomm.comm.foreign.Foreign` wraps exactly the backend
-``methods``, and the docs print the table (``python -m cupycomm.tools.docs``). Nothing else keeps a
-list of collectives.
-
-``kind`` says who takes part:
-
-- ``collective``: every rank of the communicator;
-- ``point-to-point``: two ranks (a peer that left cleanly need not be the partner, so the
-  watchdog does not end such a wait for it);
-- ``object``: every rank, with pickled Python objects (:mod:`cupycomm.comm.objects`);
-- ``internal``: a wait of cupycomm's own (the end of a ``batch()`` block is point-to-point
-  traffic; the debug check, ``close``, ``agree``, ``shrink``, the making of the NCCL
-  communicator and a graph's launch are collective).
+``methods``, and the docs print the table (``python -m cupycomm.tools.docs``). Nothing else
+keeps a list of collectives. ``kind`` says who takes part: ``collective`` (every rank),
+``point-to-point`` (two ranks: the watchdog does not end such a wait for a peer that left
+cleanly, which need not be the partner), ``object`` (every rank, with pickled objects) or
+``internal`` (a wait of cupycomm's own: the end of a ``batch()`` block is point-to-point
+traffic; the debug check, ``close``, ``agree``, ``shrink``, the making of the NCCL
+communicator and a graph's launch are collective).
 """
 from __future__ import annotations
 

@@ -2,33 +2,16 @@
 directory), where the node's other users can neither plant nor read nor change anything.
 
 Every file cupycomm makes outside a directory the user named is made here:
-
-- :func:`make_directory`: ``<parent>/cupycomm-<pid>-<token>``, mode 0700, by one ``mkdir``
-  (which takes no existing entry and follows no link); ``token`` is 63 random bits, so no
-  one can guess the name in advance, and it fits in a board's int64 field;
-- :func:`create`: a new file in such a directory (``O_CREAT | O_EXCL | O_NOFOLLOW``, 0600);
-- :func:`open_checked`: a file that another process of the job made there, opened only if
-  the directory and the file are this user's, with modes 0700 and 0600, and no link
-  (:class:`~cupycomm.errors.SharedFileRefused` otherwise);
-- :func:`hold_directory`: such a directory (or ``tempfile.mkdtemp``'s) by its descriptor,
-  checked there, so that another directory swapped in under its name is never read;
-- :func:`remove`: the directory and its files, following no link;
-- :func:`sweep`: the directories of this user's processes that are gone (a killed rank never
-  removes its own), once per process and parent; other users' entries are never touched;
-  :func:`alive` says which processes are gone.
-
-Files at paths the user named (reports, the flight recorder's files, a run's records) are
-written by one writer, :func:`replacing` (:func:`replace_file` for text): a new file under a
-random name beside the path, renamed over it, in a directory checked and held by
-:func:`open_directory` (no other user's link followed, no directory another user may change);
-:func:`read_own` reads such a file back only if it is this user's.
+:func:`make_directory` (``<parent>/cupycomm-<pid>-<token>``, mode 0700, one ``mkdir``),
+:func:`create`, :func:`open_checked` (another process's file, only if this user's, 0700 and
+0600, no link), :func:`hold_directory`, :func:`remove` and :func:`sweep`. Files at paths the
+user named are written by one writer, :func:`replacing` (:func:`replace_file` for text), and
+read back by :func:`read_own`. Why each is safe: docs/internals.md, "_private.py".
 
 Example::
 
     directory, token = make_directory(shared_directory())
     fd = create(directory, "board", size=4096)     # peers: open_checked(directory, "board")
-    ...
-    remove(directory)
 """
 from __future__ import annotations
 

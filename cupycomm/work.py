@@ -1,25 +1,16 @@
 """Work: the handle an asynchronous collective (``async_op=True``) returns.
 
-A Work completes when the communication behind it has: MPI requests on the host, a CUDA event
-on the device. Until then it keeps the arrays of the call alive, so that no memory pool hands
-their memory to another array while MPI or NCCL still reads or writes it. One Work may own
-several requests or events (a ``batch()`` block); it completes when all of them have.
-
-``wait()`` returns the result (``y = comm.all_reduce(x, async_op=True).wait()``):
-
-- host: blocks until the MPI requests complete, then finishes the call (for example the
-  division of ``op="avg"``);
-- device: makes the caller's current CUDA stream wait for the collective and returns at once,
-  as torch.distributed does; ``synchronize()`` blocks the host instead.
-
-``wait(timeout=s)`` blocks the host (on the device too) for at most ``s`` seconds. Past that,
-a device Work aborts the NCCL communicator and raises
-:class:`~cupycomm.errors.CollectiveTimeout`; a host Work ends the job with a report (MPI cannot
-cancel a collective), as a blocking collective past the communicator's timeout does.
-
-A result is returned only if its collective completed: a device Work that an abort of its
-NCCL communicator cut short (a timeout, a lost peer, NCCL's asynchronous error) raises the
-cause from ``wait()`` and ``synchronize()`` (PeerLost for a loss), and is never completed.
+A Work completes when the communication behind it has (MPI requests on the host, CUDA events
+on the device; a ``batch()`` block's Work owns several), and keeps the call's arrays alive
+until then, so that no memory pool hands their memory to another array while MPI or NCCL
+still uses it. ``wait()`` returns the result: on the host it blocks, then finishes the call
+(the division of ``op="avg"``); on the device it makes the caller's current stream wait and
+returns at once, as torch.distributed does (``synchronize()`` blocks the host instead).
+``wait(timeout=s)`` blocks the host for at most ``s`` seconds: past that a device Work aborts
+the NCCL communicator and raises :class:`~cupycomm.errors.CollectiveTimeout`, a host Work
+ends the job with a report (MPI cannot cancel a collective). A device Work that an abort cut
+short (a timeout, a lost peer, NCCL's asynchronous error) raises the cause from ``wait()``
+and ``synchronize()`` (PeerLost for a loss) and never completes.
 """
 from __future__ import annotations
 

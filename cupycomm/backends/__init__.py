@@ -1,26 +1,14 @@
 """The backends and the whole contract between them and the rest of cupycomm.
 
-- :mod:`.mpi`: host arrays through mpi4py's buffer calls.
-- :mod:`.nccl`: device arrays through one ``NcclCommunicator`` per communicator.
-- :mod:`.local`: one process driving several GPUs (the NCCL groups of ``cupycomm.devices``).
-
-Every NCCL call of the package is made in this folder (the benchmark's raw baselines
-excepted: calling NCCL directly is their job).
-
-The doors, as small protocols (the annotations of their callers use them):
-
-- :class:`Collectives`: what the Communicator calls once it has checked every argument. It
-  allocates results with ``empty`` and looks up the spec (``reductions[dtype][op]`` for
-  reductions, ``movements[dtype]`` for data movement); backends trust their inputs. ``recv``
-  is the receive buffer (``recv is x``: in place). Each method returns the result, or a
-  :class:`~cupycomm.work.Work` when ``async_op`` is true. The methods are those of
-  :data:`cupycomm._collectives.BACKEND_METHODS`, which :class:`~cupycomm.comm.foreign.Foreign`
-  wraps, plus ``empty``, the batch() hooks and ``close``.
-- :class:`HostBackend` and :class:`DeviceBackend`: what each kind has besides.
-- :class:`Completion`: what a :class:`~cupycomm.work.Work` calls to complete.
-- :class:`Health`: what the watchdog thread asks of a device backend (never blocking, no MPI).
-- :class:`Marks`: what the backends write per call for the watchdog and the flight recorder
-  (:class:`~cupycomm.faults.watchdog.Tracker` has them), and ask of it.
+:mod:`.mpi` (host arrays through mpi4py's buffer calls), :mod:`.nccl` (device arrays through
+one ``NcclCommunicator`` per communicator) and :mod:`.local` (one process driving several
+GPUs, for ``cupycomm.devices``) make every NCCL call of the package (the benchmark's raw
+baselines excepted). The contract is a few small protocols, which their callers' annotations
+use: :class:`Collectives` (what the Communicator calls once every argument is checked:
+backends trust their inputs), :class:`HostBackend` and :class:`DeviceBackend` (what each
+kind has besides), :class:`Completion` (what a Work calls to complete), :class:`Health`
+(what the watchdog thread asks of a device backend: never blocking, no MPI) and
+:class:`Marks` (what the backends write per call for the watchdog and the flight recorder).
 """
 from __future__ import annotations
 
@@ -31,6 +19,13 @@ __all__ = ["Collectives", "HostBackend", "DeviceBackend", "Completion", "HostCom
 
 
 class Collectives(Protocol):
+    """What the Communicator calls once it has checked every argument: results allocated with
+    ``empty``, the spec looked up (``reductions[dtype][op]``, ``movements[dtype]``); ``recv``
+    is the receive buffer (``recv is x``: in place); each returns the result, or a Work when
+    ``async_op``. The methods are :data:`cupycomm._collectives.BACKEND_METHODS` (which
+    :class:`~cupycomm.comm.foreign.Foreign` wraps), ``empty``, the batch() hooks and
+    ``close``."""
+
     # Read-only: a backend may hold them as class attributes of narrower types.
     @property
     def name(self) -> str: ...                    # "mpi" or "nccl"

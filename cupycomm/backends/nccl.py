@@ -1,65 +1,16 @@
 """Device backend: CuPy arrays through ``cupy.cuda.nccl.NcclCommunicator``.
 
-Stream semantics (as torch.distributed's since pytorch#150398): a synchronous collective runs
-on the caller's current stream itself (or on ``stream=``), in that stream's order: kernels
-that wrote the input before the call are seen, kernels after it see the result, and the host
-never blocks. No comm stream and no event fork or join: one event, ``_finished``, is recorded
-after it for the watchdog. With ``async_op=True`` the collective runs on this backend's own comm
-stream, which first waits on an event recorded on the caller's stream; the returned
-:class:`~cupycomm.work.DeviceWork` holds its completion event (taken from a pool of the events
-of completed Works), and ``wait()`` makes the then-current stream wait on it. With
-``stream=s`` and ``async_op=True`` the collective runs on ``s`` itself, without the first event.
-A ``batch()`` block's calls form one NCCL group on the comm stream, between an event of the
-caller's stream and one the caller's stream then waits on.
-
-One ``_finished`` event, re-recorded by every synchronous call on whichever stream it ran,
-tells the watchdog whether all of them have completed: NCCL runs the kernels of one
-communicator in the order they were issued, whatever their streams (its launch stream waits
-on the communicator's internal device stream, which then waits on the kernel: NCCL's
-``enqueue.cc``, ncclLaunchPrepare and ncclLaunchFinish), so the last one done means all done.
-The stand-in models that order.
-
-The caller's stream is the current stream *of the communicator's device*, whatever device is
-current, and every launch makes that device current: the stream handles 0 (the legacy null
-stream) and 2 (the per-thread default stream) mean the current device's, and a CUDA runtime
-call makes a context on the current device. (NCCL sets its communicator's device itself.)
-The previous device is set back after the call, except in a thread with no CUDA context yet
-(a new thread, its device 0 unused), which stays on the communicator's device: setting 0
-back would make a context on GPU 0 (see :meth:`NcclBackend._switch`).
-
-CUDA graph capture: a collective issued while the caller's stream (or ``stream=``) is capturing
-is captured. Events recorded in a capture are graph nodes, which CUDA forbids querying or
-synchronizing (``cudaErrorCapturedEvent``; querying one during the capture invalidates it): a
-captured synchronous collective records no event (it is in the caller's stream, nothing to
-join), and a captured async one records its Work's event in the capture, forking the comm
-stream from it; that Work is not watched and completes when ``wait()`` joins it back into the
-capture. The legacy null stream cannot capture, so its capture state is not asked (CuPy's
-``begin_capture`` refuses it; cudaStreamIsCapturing of it fails while another stream of the
-device captures).
-
-The watchdog thread queries in relaxed capture mode (so that a capture in global mode, torch's
-default, in another thread is not invalidated by it: pytorch#104555) and with the
-communicator's device current, set once and never set back (a new thread's current device
-is 0, and ``cudaSetDevice(0)``, which CuPy's ``Device.__exit__`` always calls, would create
-a context on GPU 0 for every rank). One lock, ``_lifetime``, keeps every use of the NCCL
-communicator apart (launches, the watchdog's ``ncclCommGetAsyncError``, abort, close): NCCL's
-communicator is not thread-safe, and ``ncclCommAbort``/``ncclCommDestroy`` free what the
-others use. One thread at a time uses a communicator: a call from another thread while one
-is inside a launch or its batch() block is open is refused; after its call returned, the
-communicator passes to the other thread (see :meth:`NcclBackend._take_over`).
-
-A synchronous call on ``stream=`` keeps its arrays alive until that stream has passed it
-(an event on it, in ``_held``): memory the caller allocated on its own stream returns to
-that stream's pool when dropped. Graph replays through :meth:`NcclBackend.launch_graph` re-record
-``_finished`` after the graph (NCCL serializes a communicator's graph launches with its
-other calls), so the watchdog watches them; ``close()`` keeps (never destroys) an NCCL
-communicator whose calls were captured, so a replay after it uses no freed memory, and
-``abort()`` keeps (revokes, where nccl4py can) one: ncclCommAbort would wait until the user
-drops every such graph. A communicator collected unclosed hands its backend to a safe point
-(:meth:`NcclBackend.drop`) rather than to CuPy's destructor, in the collecting thread.
-
-Data movement is described to NCCL as bytes; reductions use the NCCL datatype and count
-factor of the dtype table (a complex element is two reals).
+A synchronous collective runs on the caller's current stream itself (or on ``stream=``), in
+that stream's order, and records one event, ``_finished``, for the watchdog (as
+torch.distributed since pytorch#150398); ``async_op=True`` runs on the backend's comm stream
+between events, a ``batch()`` block as one NCCL group there. Every launch makes the
+communicator's device current and sets the previous one back, except in a thread with no
+CUDA context yet (:meth:`NcclBackend._switch`). A call inside a CUDA graph capture is
+captured. One lock, ``_lifetime``, keeps every use of the NCCL communicator apart (it is not
+thread-safe), and one thread at a time uses it (:meth:`NcclBackend._take_over`). Data
+movement is described to NCCL as bytes; reductions use the dtype table's NCCL datatype and
+count factor. The streams, events, captures and threads in full: docs/internals.md,
+"backends/nccl.py".
 """
 from __future__ import annotations
 
@@ -189,11 +140,9 @@ _thread = threading.get_ident
 
 
 class _CutShort:
-    """What an async Work whose collective an abort cut short holds in place of its event
-    and its backend (see :meth:`NcclBackend._end`): never done, and each way of waiting
-    raises the abort's error (PeerLost for a loss, CollectiveTimeout for a timeout) rather
-    than return the output that the
-    abort left undefined."""
+    """What a cut-short async Work holds in place of its event and backend (see
+    :meth:`NcclBackend._end`): never done; each wait raises the abort's error (PeerLost for a
+    loss, CollectiveTimeout for a timeout) rather than return the undefined output."""
 
     done = False   # as an event's: the Work never completes
 
@@ -785,12 +734,10 @@ class NcclBackend:
 
     def _end(self, reason: str, lost: Optional[Tuple[int, ...]] = None) -> None:
         """Abort the NCCL communicator for ``reason`` (under ``_lifetime``), or keep it where
-        ncclCommAbort would wait on CUDA graphs (:meth:`_keep`). The async Works whose
-        collectives have not completed are cut short: the abort completes their events with
-        undefined outputs (NCCL's user guide, "Error handling and communicator abort"; an
-        H200 wrote zeros), so each then holds a :class:`_CutShort` in place of its event and
-        this backend, and raises the abort's error (as :meth:`_was_aborted` says it then)
-        instead of returning its result; the flight recorder says they were aborted."""
+        ncclCommAbort would wait on CUDA graphs (:meth:`_keep`); each async Work not completed
+        is cut short (:class:`_CutShort`, raising :meth:`_was_aborted`'s error), since the
+        abort completes its event with an undefined output (NCCL's user guide, "Error handling
+        and communicator abort"; an H200 wrote zeros). The flight recorder says so."""
         cut = self._unfinished()
         self._aborted, self._lost = reason, lost
         if self._captures:

@@ -1,35 +1,13 @@
 """The benchmark's one table: per collective, its buffers, its calls in each library, its check.
 
 A :class:`Case` is one collective at one size in one mode (out-of-place or in-place) with its
-buffers allocated. A :class:`Collective` row says how a byte size becomes buffers (``x_parts``,
-``y_parts``: whether a buffer holds one part per rank, as nccl-tests lays them out), what the
-result must be (computed with NumPy from every rank's known input), the nccl-tests bus-bandwidth
-factor, and how each library makes the call: ``cupycomm``, the raw baselines ``mpi`` (mpi4py's
-upper-case buffer calls) and ``nccl`` (``NcclCommunicator``), and the peers ``cupyx``
-(``cupyx.distributed``) and ``torch`` (``torch.distributed``). A call entry takes the library's
-handle and the case and returns a zero-argument callable, built once so that the timed loop only
-calls it; or a string saying why the library has no such call. A call with keyword arguments is
-a lambda whose defaults hold them, which calls as a user's line does: ``functools.partial``
-with keywords merges them into a new dict on every call, about 0.2 µs that would be charged to
-cupycomm (and torch) alone, as the raw calls take positional arguments only.
-
-Adding a collective is adding one row to :data:`TABLE`. The last row, ``all_reduce_coalesced``,
-cuts the buffer into arrays of 1 KiB (at most 256) and compares one coalesced call with what a
-user does without it: one call per array, in each library.
-
-Sizes follow nccl-tests: for a collective whose buffers hold one part per rank, ``count`` is the
-part (``size // itemsize // ranks``) and the size shown is ``ranks * count * itemsize``. A size
-asked for is never measured as an empty message: the count is at least one element (one per
-rank's part), so 8 B of float32 on 3 ranks is shown, and measured, as 12 B; a size whose
-message repeats a smaller one's is run once (see :func:`distinct_sizes`).
-
-The raw mpi4py baseline hands MPI what a user would: the arrays themselves, or for a dtype
-NumPy exports no buffer of (ml_dtypes' bfloat16, kind ``V``) a view as the unsigned integer of
-its size, which moves the same bytes; MPI has no such type to reduce, so that baseline runs no
-reduction of it.
-Bus bandwidth is ``algbw * factor``: all_reduce 2(n-1)/n; all_gather, reduce_scatter,
-all_to_all (n-1)/n; broadcast, reduce, sendrecv 1; gather and scatter (n-1)/n, as nccl-tests'
-gather and scatter tests define them.
+buffers allocated. A :class:`Collective` row says how a byte size becomes buffers, what the
+result must be (computed with NumPy), the nccl-tests bus-bandwidth factor, and how each
+library makes the call (``cupycomm``, the raw baselines ``mpi`` and ``nccl``, the peers
+``cupyx`` and ``torch``): a zero-argument callable built once, so that the timed loop only
+calls it, or a string saying why the library has none. Adding a collective is adding one row
+to :data:`TABLE`. Sizes, baselines and bus bandwidth as the guide says them
+(docs/guide/benchmarks.md); the rest: docs/internals.md, "bench/collectives.py".
 """
 from __future__ import annotations
 
@@ -165,7 +143,7 @@ class Case:
 
 @dataclass(frozen=True)
 class Collective:
-    """One row of the table (see the module docstring)."""
+    """One row of the table (the module docstring says its fields)."""
 
     name: str
     bus_factor: Callable[[int], float]

@@ -1,24 +1,12 @@
 """Many small arrays in few collectives: ``all_reduce_coalesced`` and ``Bucket``.
 
 Latency-bound reductions (the gradients of a model's many small layers) cost a few calls
-instead of hundreds:
-
-- ``comm.all_reduce_coalesced(arrays)`` groups the arrays by dtype, packs each group into
-  flat buffers of at most ``bucket_bytes`` (default 25 MiB, as DDP's buckets), all-reduces
-  each buffer once, and copies the results back into the arrays. Packing is one
-  ``concatenate`` per buffer (one kernel on a GPU); the copies back are one assignment per
-  array from a view of the buffer shaped as that array. Buffers and views are kept from call
-  to call for the shapes last used (``Staging``): a training step allocates nothing.
-- ``comm.bucket(arrays)`` is the persistent form (DDP's gradient-as-bucket-view): it copies
-  the arrays once into one flat buffer per dtype, and ``bucket.arrays`` are views into it,
-  to use in place of the originals. Each ``bucket.all_reduce()`` or ``bucket.broadcast()``
-  is then one call per dtype with no packing at all.
-
-Both take NumPy or CuPy arrays (not both in one call; foreign arrays too, converted
-without a copy: ``bucket.arrays`` are then NumPy/CuPy views), of any shapes, zero-size and
-0-d included, and run through the communicator's own collectives (validation, debug mode and
-timeouts included). Debug mode also compares the list itself across ranks (each array's
-dtype and size, in order), which the packed buffers' check cannot see.
+instead of hundreds. ``comm.all_reduce_coalesced(arrays)`` packs the arrays, grouped by
+dtype, into flat buffers of at most ``bucket_bytes`` (default 25 MiB, as DDP's buckets),
+all-reduces each buffer once and copies the results back; buffers and views are kept from
+call to call (``Staging``). ``comm.bucket(arrays)`` is the persistent form (DDP's
+gradient-as-bucket-view): ``bucket.arrays`` are views into one flat buffer per dtype. Both
+run through the communicator's own collectives. The guide: docs/guide/coalescing.md.
 """
 from __future__ import annotations
 
@@ -64,14 +52,10 @@ def runs_by_dtype(arrays: Sequence[Any], limit: Optional[int]) -> List[List[int]
 def _runs(comm: Any, name: str, arrays: Sequence[Any], op: Any,
           limit: Optional[int]) -> Tuple[List[List[int]], List[Any], Any]:
     """Check the arrays (one kind, each valid for ``op``, or for moving data where it is
-    ``MOVES``); return :func:`runs_by_dtype` of
-    them, the arrays as NumPy/CuPy views (foreign ones converted) and the array module.
-
-    Per array only what can differ between arrays of one dtype is checked (kind, contiguity),
-    and the op against each dtype once: this loop sets the pace of a call on many small
-    arrays. Anything unusual (a foreign or device array, a failed check) goes through the
-    communicator's full check, which explains the error.
-    """
+    ``MOVES``); return their :func:`runs_by_dtype`, the arrays as NumPy/CuPy views and the
+    array module. Per array only kind and contiguity are checked, the op once per dtype (this
+    loop sets the pace of a call on many small arrays); anything unusual (a foreign or device
+    array, a failed check) takes the communicator's full check, which explains the error."""
     checks, router = comm.parts.checks, comm.parts.router
     if not isinstance(arrays, (list, tuple)):
         raise checks.fail(TypeError, name, f"arrays must be a list of arrays, got "

@@ -1,35 +1,15 @@
 """One process, many GPUs: broadcast, scatter, gather and sums across this process's devices,
 and parallel_apply (the torch.cuda.comm family).
 
-**Places.** A place is a GPU id (an int, or a ``cupy.cuda.Device``) or ``"cpu"``. Inputs are
-NumPy or CuPy arrays, and results are put at the places asked for. The GPU ids of one argument
-differ; ``"cpu"`` may repeat (one host part per entry), so a program written for N GPUs runs
-on a machine without one when it passes ``["cpu"] * N``. One argument does not mix the two.
-
-**How data moves.** broadcast and reduce_add (and their coalesced forms) over several GPUs are
-NCCL collectives: one communicator per device, made by ``NcclCommunicator.initAll`` the first
-time a tuple of devices is used and kept for later calls, called inside ``groupStart()`` /
-``groupEnd()``. Everything else is asynchronous copies on the copy engines: scatter and gather
-(any axis and any chunk sizes: a chunk along an axis of a C-contiguous array is a block of
-equally spaced rows, one ``cudaMemcpy2DAsync``), transfers to and from the host, and the sums
-NCCL has no type for (16-bit integers), which copy the inputs to one device and add them there.
-
-**Streams.** Device work runs on the current stream of each device it touches (scatter's
-``streams`` replace a target's stream for its copies). The NCCL kernels of one call wait for
-each other. A copy first waits, by an event, for the current stream of the device it reads;
-afterwards the current streams of both devices wait for the copy, so that later kernels see
-the result and the source is neither overwritten nor handed to another array by CuPy's memory
-pool while it is read. The host does not wait, except for host results (complete when
-returned) and for copies from pageable host memory, which CUDA stages only after the target
-stream's earlier work (pass pinned memory, or use :func:`cupycomm.prefetch`, to upload
-asynchronously).
-
-**Validation.** Every argument is checked before anything is allocated or moved; a bad one
-raises TypeError (wrong kind of object) or ValueError (wrong value), naming the function, the
-argument and the value.
-
-``device_module`` is the CuPy-like module to use: CuPy by default, imported only when a call
-involves a GPU (the test suite passes its host-memory stand-in).
+A place is a GPU id (an int, or a ``cupy.cuda.Device``) or ``"cpu"``; inputs are NumPy or
+CuPy arrays, and results are put at the places asked for. broadcast and reduce_add (and
+their coalesced forms) over several GPUs are NCCL collectives, everything else asynchronous
+copies on the copy engines, ordered with each device's current stream by events. Every
+argument is checked before anything is allocated or moved (TypeError, ValueError, naming
+the function, the argument and the value). ``device_module`` is the CuPy-like module to
+use: CuPy by default, imported only when a call involves a GPU (the test suite passes its
+stand-in). The guide: docs/guide/devices-and-prefetch.md; the streams in full:
+docs/internals.md, "devices/comm.py".
 """
 from __future__ import annotations
 

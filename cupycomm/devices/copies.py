@@ -1,6 +1,6 @@
 """Moving arrays between places for cupycomm.devices: copies on the copy engines, and NCCL
 groups (:mod:`cupycomm.backends.local`), ordered with the current streams by events (the
-semantics are in the docstring of :mod:`cupycomm.devices.comm`).
+semantics: docs/internals.md, "devices/comm.py").
 
 A :class:`Copy` is a block of equally spaced rows: a chunk along any axis of a C-contiguous
 array, or a whole array. ``move`` runs copies; ``broadcast_arrays`` and ``sum_arrays`` are the
@@ -142,7 +142,7 @@ def _peer_access(lib: DeviceCall, device: int, peer: int) -> bool:
 def move(lib: DeviceCall, copies: Sequence[Copy],
          streams: Optional[Dict[Place, Any]] = None) -> None:
     """Run ``copies``: host ones at once, the others each on the stream of its GPU end (the
-    destination's, else the source's), ordered by events (module docstring)."""
+    destination's, else the source's), ordered by events (docs/internals.md, "devices/comm.py")."""
     batches: Dict[int, List[Copy]] = {}
     for c in copies:
         if c.dst_place == HOST and c.src_place == HOST:

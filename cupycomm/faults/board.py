@@ -34,20 +34,10 @@ _FILE = "board"   # its name in the private directory of the node's first rank
 
 class Board:
     """``fields`` int64 per rank of ``node`` (the ranks of one communicator on this node), in
-    shared memory; made collectively over ``agree`` (default: ``node``; a communicator that
-    holds ``node``'s ranks), neither of which it keeps.
-
-    The node's first rank makes the file in a private directory of its own
-    (:mod:`cupycomm._private`: mode 0700 under an unpredictable name in ``/dev/shm``)
-    and sends its path to the others over MPI; each other rank maps it only once it has
-    checked that the directory and the file are its own user's with modes 0700 and 0600 and
-    no link. The ranks of ``agree`` then learn together whether every rank of every node
-    has mapped its board (the one collective that also stands for "everyone has mapped it:
-    the name can go"): if one has not, every one of them raises
-    :class:`~cupycomm.errors.SharedFileRefused` with its reason, and none waits for it.
-
-    ``rows[i]`` is the row of ``node``'s rank ``i``; ``mine`` is this rank's, and starts zeroed.
-    :meth:`locked` is a lock its ranks share.
+    shared memory; made collectively over ``agree`` (default: ``node``), neither of which it
+    keeps. ``rows[i]`` is the row of ``node``'s rank ``i``; ``mine`` is this rank's, zeroed;
+    :meth:`locked` is a lock its ranks share. How the file is made and checked:
+    docs/internals.md, "faults/board.py".
 
     Example::
 

@@ -2,17 +2,10 @@
 compare a fingerprint of the call, so that a disagreement raises on every rank at once
 instead of hanging or returning garbage.
 
-The fingerprint holds the collective's name, its sequence number, the data array's kind,
-dtype, size and contiguity (``x``; scatter's ``out``: what every rank passes alike), and the
-other arguments (op, root, a new group's ranks). Arguments that may differ by rank are left
-out: ``out`` (where a rank puts its result is its own affair), arguments only the root
-reads (scatter's ``x``), async_op, stream and the objects of object collectives. Point-to-
-point calls are not checked (only two ranks take part). Calls on a list of arrays
-(``all_reduce_coalesced``, a bucket's calls) compare each array of the list, in order
-(:func:`check_list`): their packed buffers can agree where the lists do not.
-Cost: building the fingerprint and one allgather of its 8-byte checksum per collective;
-the whole fingerprints travel only when the checksums differ (docs/guide/debug-mode.md gives
-the measured figure).
+The fingerprint holds what every rank passes alike (the collective, its sequence number,
+``x``'s kind, dtype, size and contiguity, op, root, a new group's ranks); what may differ by
+rank is left out, and point-to-point calls are not checked. Cost: one allgather of an 8-byte
+checksum per collective (docs/guide/debug-mode.md; what is compared: docs/internals.md).
 
 Example of the error, raised on every rank::
 

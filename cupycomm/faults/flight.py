@@ -1,35 +1,12 @@
 """The flight recorder: each communicator's last calls, and one block saying where every rank is.
 
-**Recording.** Each communicator's :class:`Recorder` holds a preallocated ring of N slots
-(``CUPYCOMM_FLIGHT_RECORDER_SIZE``, default 64). Per call, the backends write one slot, at
-``seq % N``: the call's name (host backend) or ``(name, "nccl")`` (device backend). Nothing
-else happens on the call path: no clock, no arrays kept alive. The watchdog thread, at each
-look (10 a second), stamps the calls it sees issued and completed since its last look, so
-the times are good to 0.1 s; a call that came and went between two looks gets that look's
-time.
-
-**Reporting.** On a timeout, a dead peer or an abort (``cupycomm.faults.abort.abort_job``
-and the abort on an uncaught exception), and on SIGUSR1 (SIGUSR2 under MPICH, see
-:func:`report_signal`), a rank prints one block: where each rank of its node is (from the
-node board), then its own last calls. For example::
-
-    cupycomm flight recorder (abort; communicator world, seen from rank 0 on nodeA):
-      ranks 0-2 (nodeA) completed #41, wait in all_reduce #42 (rank 0 for 12 s)
-      rank 0's last calls: #40 all_reduce mpi, done; #41 all_reduce mpi, done; #42 ...
-
-Only the first rank of a node to report prints its node's ranks
-(``cupycomm.faults.board.NodeBoard.first_to_report``: whichever it is, so a dead
-leader leaves no node unreported); the others of that node that report within
-REPORT_WINDOW s print their own line and last calls. Ranks on other nodes are not on this
-node's board: each node reports its own. With
-``CUPYCOMM_FLIGHT_RECORDER=DIR``, every rank also writes its state and ring to
-``DIR/rank-<r>.json`` (the world communicator's; another communicator's go to
-``DIR/<name>.rank-<r>.json``): when a call of its has waited 1 s (and every 10 s while it
-waits), on every trigger above, and when its communicator closes; ``python -m
-cupycomm.tools.flight DIR`` (:mod:`cupycomm.tools.flight`) merges the world's files of every
-node into one block, for example
-``ranks 0-2 (nodeA) completed #41, wait in all_reduce #42`` and ``rank 3 (nodeB) completed
-#41, waits in broadcast #42``.
+Each communicator's :class:`Recorder` is a preallocated ring of slots
+(``CUPYCOMM_FLIGHT_RECORDER_SIZE``, default 64), one written per call by the backends; the
+watchdog thread stamps the times. On a timeout, a dead peer, an abort and on a signal
+(:func:`report_signal`) a rank prints one block: its node's ranks (the first of the node to
+report), then its own last calls. With ``CUPYCOMM_FLIGHT_RECORDER=DIR`` every rank also
+writes its ring to ``DIR``, which ``python -m cupycomm.tools.flight DIR`` merges. The guide:
+docs/guide/faults-and-timeouts.md, "The flight recorder"; the details: docs/internals.md.
 """
 from __future__ import annotations
 

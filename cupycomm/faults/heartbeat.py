@@ -1,32 +1,11 @@
 """Heartbeats between nodes: a rank on another node that dies, leaves, or whose whole node
 goes silent is known here within seconds, without any port of ours.
 
-A communicator whose ranks span several nodes makes, at its creation, a private MPI
-communicator of its node leaders (the lowest rank of each node). Each leader's watchdog
-thread (:mod:`cupycomm.faults.watchdog`), never the collective path, exchanges small messages
-on it with nonblocking sends and receives that it polls:
-
-- BEAT, every ``bound / 10`` s: the rows of this node's board (rank, pid, how far it got,
-  which collective it is blocked in, whether it left, closed or exiting, or died);
-- BYE, when the leader closes the communicator: the last rows; then it waits for
-- ACK, the answer to a BYE and the last message from that leader to the one that said BYE.
-
-The BYE/ACK pair is what makes closing clean: once a leader has every other leader's ACK,
-nothing more is in flight to or from it, so no message outlives the communicator (MPI may
-reuse its context) or reaches a finalized process. A leader that sends nothing for longer
-than the bound (``CUPYCOMM_HEARTBEAT_TIMEOUT``, 5 s by default) has its node taken as dead.
-In ``on_peer_loss="raise"`` mode (MPI's ULFM) a leader that dies makes the leaders' calls
-to it fail at once: it is relayed as a dead rank (the survivors' device work is aborted for
-PeerLost naming it) and no longer talked to.
-
-What the leader learns goes on its row of the node board (:meth:`NodeBoard.relay`): the one
-remote departure that matters most (a death or a silent node before any clean leave; among
-leaves the earliest), so that every rank of the node judges it with the rules it applies
-to its own node's peers (:meth:`cupycomm.faults.watchdog.Tracker.check`): a waiting
-collective is ended by a death at once, and by a rank that left before issuing it after
-the grace period. A silent node is revived by its next beat: a node whose leader's
-watchdog cannot run (a C call holding the GIL) for longer than the bound while a peer waits
-is taken as dead.
+A communicator spanning several nodes makes a private MPI communicator of its node leaders,
+on which each leader's watchdog thread exchanges BEAT (every ``bound / 10`` s: its node
+board's rows), BYE (at close) and ACK (the answer to a BYE, so that no message outlives the
+communicator). A leader silent for longer than ``CUPYCOMM_HEARTBEAT_TIMEOUT`` (5 s) has its
+node taken as dead. The protocol in full: docs/internals.md, "faults/heartbeat.py".
 
 Example (what a Communicator does)::
 

@@ -1,68 +1,14 @@
 """The watchdog: no rank waits forever, and the one that gives up says why.
 
-The call path writes two attributes of a communicator's :class:`Tracker`: ``seq`` (how many
-collectives this rank has issued on it) and, for as long as a blocking MPI call (or a device
-launch, or the making of the NCCL communicator, which can block the host too) lasts,
-``busy`` (that call's name); and one slot of its flight recorder's ring
-(:mod:`cupycomm.faults.flight`, which the thread stamps at each look). No other thread's
-stack or locals are read: in CPython 3.11, reading the locals of a frame that another
-thread is running can crash the interpreter. One
-daemon thread per process (started by the first communicator of more than one rank) looks
-ten times a second and:
-
-- publishes the tracker to the communicator's node board (:mod:`cupycomm.faults.board`), so that
-  peers on this node can see how far this rank has got;
-- when a blocking host call has waited longer than the communicator's timeout: prints which
-  collective, its sequence number, which ranks on this node have not arrived and which are
-  blocked in a different collective, with this rank's Python stacks, and aborts the job (MPI
-  cannot cancel a collective);
-- when a blocking host call waits and a peer on this node has died (its process ended
-  without leaving: ``os._exit``, a signal, a crash): aborts the job naming that peer at once
-  (unless ``init(on_peer_loss="raise")``: then MPI's ULFM makes the call raise PeerLost on
-  every survivor, :mod:`cupycomm.survivors`; a dead peer still aborts pending device work);
-- when a blocking collective waits and a peer has left (closed the communicator, or its
-  program is exiting: it ended, or called ``sys.exit``, even with code 0) before issuing this
-  collective: aborts the job naming it, 2 s after it left. A peer that issued this collective
-  before it left finished its part of it (a rank exiting right after the last collective
-  while a slower peer is still inside it is a correct program), and point-to-point calls can
-  shift the sequence numbers of one rank against another's, hence the 2 s. A point-to-point
-  wait is never ended by a peer that left cleanly (nothing says that peer was the partner):
-  the timeout bounds it;
-- when the device backend has work that has not finished for longer than the timeout, or NCCL
-  reports an asynchronous error: aborts the NCCL communicator (its kernels end, every later
-  device call raises :class:`~cupycomm.errors.NcclError`) and says so; when a peer on this
-  node has died (or, as the heartbeats say, one on another node) while such work is
-  pending, at once, and later device calls (and the pending Work's
-  ``wait``/``synchronize``) raise :class:`~cupycomm.errors.PeerLost` naming the dead ranks
-  in the world's numbering (the tracker's ``world_ranks``), as the host path does. In
-  "raise" mode an asynchronous error of NCCL is matched with a lost peer first: NCCL's
-  proxy sees a dead peer's connection close (stand-in rule 22) before the heartbeats can
-  relay a loss on another node (up to their bound), so the abort waits that long for the
-  board or the heartbeats to name the lost ranks (PeerLost), and only then says NcclError;
-- while a call is blocked or device work is pending, and only then, re-arms a C-level timer
-  (``faulthandler.dump_traceback_later``): if this thread cannot look for the timeout plus a
-  margin (the timeout again, at least 10 s and at most 30 s, so that a loaded machine delaying
-  this thread is not taken for a hang), the main thread holds the GIL in a call that never
-  returns; the timer prints every thread's stack and ends the process, and the job ends.
-  Its limit is at most ``BACKSTOP_MAX`` (about 31 years: a timeout of ``inf``, none, arms
-  that).
-  The trade-off: the main thread never touches the timer (that would cost every collective a
-  system call), so a collective that takes the GIL before this thread has seen it start is
-  not covered here; its peers, waiting in the same collective, end the job at their timeout.
-  A call that holds the GIL outside any collective, however long, is never ended: it may be
-  a correct program's.
-
-Abort messages and stacks go to :func:`cupycomm.faults.abort.report_stream` (the terminal
-under the pytest plugin, whose capture of stderr is lost when the job aborts). The thread
-only reads Python attributes, CUDA events and shared memory; it makes no MPI call except
-``MPI_Abort``.
-
-A look that raises (a bug of cupycomm's) is printed, once while it repeats, and the thread
-looks again: it never dies of an exception. The thread is the process's one watcher:
-anything with ``check(now) -> bool`` (whether it waits, which arms the GIL backstop) and
-``timeout`` can be watched; the pytest plugin's hang guard is. Before the first
-communicator exists, :func:`meet` watches ``init()``'s first collective from the main
-thread.
+The call path writes a communicator's :class:`Tracker` (``seq``; ``busy`` while a blocking
+call lasts) and one slot of its flight recorder's ring. One daemon thread per process looks
+ten times a second: it publishes the tracker to the node board, ends the job (or aborts the
+NCCL communicator) on a timeout, a dead or departed peer or NCCL's asynchronous error, and
+arms a C-level backstop while a call is blocked. It reads only Python attributes, CUDA
+events and shared memory, and makes no MPI call but ``MPI_Abort``. Anything with
+``check(now) -> bool`` and ``timeout`` can be watched (the pytest plugin's hang guard is);
+:func:`meet` watches ``init()``'s first collective. Each look's rules, and why:
+docs/internals.md, "faults/watchdog.py".
 """
 from __future__ import annotations
 
@@ -240,7 +186,7 @@ class Tracker:
     def _device_error(self, device: Health, error: str, seq: int, now: float) -> None:
         """NCCL reported ``error`` asynchronously: abort the device communicator; in "raise"
         mode, for the peer the board or the heartbeats say is gone (PeerLost), waiting up to
-        :meth:`_loss_bound` for them to say it (see the module)."""
+        :meth:`_loss_bound` for them to say it (docs/internals.md, "faults/watchdog.py")."""
         reason = f"NCCL reported an asynchronous error: {error}"
         if policy.raising():
             dead, ranks = self._gone_peer("", seq, now, left_counts=False)
@@ -256,10 +202,8 @@ class Tracker:
 
     def lost_ranks(self, seq: int) -> Tuple[int, ...]:
         """The world ranks whose loss explains NCCL's asynchronous error met by device
-        collective ``seq`` (a launch or a wait, on the main thread): in "raise" mode those
-        that the node board, the heartbeats or MPI's ULFM name, waited for up to
-        :meth:`_loss_bound` (see the module); () where none is named by then, and at once
-        in "abort" mode."""
+        collective ``seq``: in "raise" mode those that the node board, the heartbeats or
+        MPI's ULFM name within :meth:`_loss_bound`; else, or where none is named, ()."""
         if not policy.raising():
             return ()
         deadline = time.monotonic() + self._loss_bound()
@@ -282,8 +226,8 @@ class Tracker:
                    left_counts: bool = True) -> Tuple[str, Tuple[int, ...]]:
         """(a text naming a peer, on this node or (as its heartbeats relay) on another one,
         that this rank may be waiting for in call ``at`` and that is gone, or ''; its ranks
-        in the communicator's numbering: a silent node's are all of its own) (see the
-        module docstring for when a peer that left counts)."""
+        in the communicator's numbering: a silent node's are all of its own) (when a peer that left
+        counts: docs/internals.md, "faults/watchdog.py")."""
         left_counts = left_counts and name not in POINT_TO_POINT
         surviving, host_wait = policy.raising(), bool(name)
         for row in self.board.peers() if self.board is not None else ():

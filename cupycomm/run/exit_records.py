@@ -1,26 +1,12 @@
 """How each rank of a ``python -m cupycomm.run`` job ended, as it recorded it, and reading it back.
 
-``cupycomm.run`` makes a job directory and names it in ``CUPYCOMM_RUN_DIR``. There
-:func:`start` (called by ``init()``) writes a record for its world rank, ``rank-<r>.json``:
-``running`` at once, and one of these at the end (each record also says the rank's node as
-its launcher named it, the host as the OS knows it, and its pid):
-
-- ``ended``: the interpreter reached its exit (the program's end, ``sys.exit``);
-- ``raised``: an exception escaped (its type and message in ``detail``);
-- ``aborted``: cupycomm ended the job (the watchdog or the abort handler; why, in ``detail``).
-
-A record still ``running`` after the job is over belongs to a rank that ended without
-finishing: ``os._exit``, a signal, a crash, or a peer's ``MPI_Abort``. Each record also lists
-in ``survived`` the world ranks this rank went on without (``comm.shrink()`` after a lost peer,
-:func:`note_survived`): where every rank that finished went on without each rank that did not,
-the program has said that it recovered. A process whose world
-is not of the job's size (``CUPYCOMM_RUN_SIZE``) is not one of its ranks: it records the same
-states in ``stray-<host>-<pid>.json`` (a singleton, where the launcher and the MPI did not
-form one world; a program a rank started), so that ``cupycomm.run`` can tell singletons from
-a program that never called ``init()``. Processes not started by ``cupycomm.run`` (the
-variable unset) write nothing. Each write replaces the file whole, so a reader never sees
-half a record. The launcher side holds the directory by its descriptor
-(:class:`JobDirectory`), so that one swapped in under its name is never read.
+``cupycomm.run`` names its job directory in ``CUPYCOMM_RUN_DIR``; there :func:`start` (called
+by ``init()``) writes ``rank-<r>.json`` for its world rank: ``running`` at once, then
+``ended``, ``raised`` or ``aborted`` (why, in ``detail``), with the rank's node, host and
+pid, and in ``survived`` the world ranks it went on without (:func:`note_survived`). A record
+still ``running`` after the job belongs to a rank that ended without finishing. Each write
+replaces the file whole; the launcher side holds the directory by its descriptor
+(:class:`JobDirectory`). Strays and the rest: docs/internals.md, "run/exit_records.py".
 
 Example (what the launcher side reads after the job)::
 

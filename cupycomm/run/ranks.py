@@ -1,15 +1,10 @@
 """The processes of a ``cupycomm.run`` job's ranks on this host, as ``/proc`` shows them under
 the launcher: how ``cupycomm.run`` sees a rank that ended before it recorded anything (it
-failed before ``cupycomm.init()``: a missing file, ``sys.exit``), while its peers wait for it
-in ``MPI_Init`` or in ``init()`` forever (hydra with ``-disable-auto-cleanup`` waits too).
-
-A rank's process is a descendant of the launcher whose environment names the job's directory
-(``CUPYCOMM_RUN_DIR``) and gives a rank (hydra's ``PMI_RANK``, Open MPI's
-``OMPI_COMM_WORLD_RANK``) and the number of ranks on this host (``MPI_LOCALNRANKS``,
-``OMPI_COMM_WORLD_LOCAL_SIZE``). A rank seen here whose processes have all ended is gone; so
-is one never seen, where every rank of the job is on this host and fewer are here than the
-launcher started (one that failed at once, before the first look). Ranks on other hosts are
-not seen here (the watchdog and the heartbeats judge those). Without ``/proc`` nothing is seen.
+failed before ``cupycomm.init()``), while its peers wait for it in ``MPI_Init`` or
+``init()`` forever. A rank's process is a descendant of the launcher whose environment names
+the job's directory and gives a rank and the number of ranks on this host; a rank whose
+processes have all ended (or, where every rank is on this host, one never seen) is gone.
+How each is told: docs/internals.md, "run/ranks.py".
 
 Example (what ``cupycomm.run`` does once a second)::
 
@@ -40,7 +35,7 @@ class Ranks:
         self._here = 0                   # how many ranks the launcher started on this host
 
     def gone(self) -> List[int]:
-        """The ranks started on this host of which no process is left now (see the module)."""
+        """The ranks started on this host of which no process is left now (docs/internals.md)."""
         alive: Set[int] = set()
         for pid, rank, here in self._processes():
             self.pids.setdefault(rank, pid)

@@ -2,10 +2,8 @@
 as of the last step that every rank finished (``commit``), put back after a loss
 (``restore``) and made the same on every survivor from one of them (``sync``).
 
-In the spirit of Horovod elastic's ``State`` (``commit``, ``restore``, ``sync``), kept in the
-memory of each rank rather than in a file, so that survivors go on from the step they were
-in, and restored in place: arrays that the program also holds elsewhere (an optimizer's
-parameters) are the ones that change back.
+As Horovod elastic's ``State``, but kept in each rank's memory (survivors go on from the step
+they were in) and restored in place (arrays the program also holds elsewhere change back).
 
 Example::
 

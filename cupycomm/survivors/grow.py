@@ -1,26 +1,10 @@
 """``comm.grow(n)``: ``n`` new processes join the survivors and take the lost ranks' places.
 
-The survivors (collective over ``comm``) start ``n`` processes with MPI's ``Spawn`` (by
-default this program again: ``sys.executable`` and ``sys.argv``), send them the world ranks
-they take (the lost ones, lowest first:
-:func:`~cupycomm.survivors.numbering.places`) and merge with them (``Intercomm.Merge``);
-the merged communicator is split once more, keyed by world rank, so that its ranks are in
-world-rank order again: after world rank 1 of 4 was lost and ``shrink()`` gave
-``(0, 2, 3)``, ``grow(1)`` gives ``(0, 1, 2, 3)``, the newcomer rank 1. A started
-process's ``cupycomm.init()`` finds that it was started so (MPI's ``Get_parent`` and the
-``CUPYCOMM_JOIN`` variable that the spawn sets) and joins (:func:`join`), returning the
-grown communicator; :func:`~cupycomm.survivors.numbering.joined_late` tells the program.
-The old communicator is retired as after ``shrink()`` (every call
-refused with :class:`~cupycomm.errors.CommShrunkError`). The grown communicator makes its NCCL
-communicator on its first device collective (or ``init_device()``), from a fresh unique id
-broadcast over the grown MPI communicator, as ``init()``'s does. A newcomer takes a GPU that
-no survivor of its node uses (the lost rank's, on the lost rank's node), not one chosen by
-its local rank, which may be a survivor's (``_gpu_of_newcomer``); ``init(device=)``
-still decides where it is given.
-
-Open MPI counts the slot of a lost rank as taken: the spawn asks to oversubscribe
-(``map_by :OVERSUBSCRIBE``, ``bind_to none``), so the job need not be started with
-``--oversubscribe``.
+The survivors start them with MPI's ``Spawn``, send them the world ranks they take (the lost
+ones, lowest first), merge with them and split keyed by world rank, so that the grown
+communicator's ranks are in world-rank order again; a started process's ``init()`` joins
+(:func:`join`). The old communicator is retired as after ``shrink()``. The guide, with the
+newcomer's GPU and Open MPI's slots: docs/guide/survivors.md, "Growing back".
 
 Example (4 ranks, world rank 1 killed)::
 

@@ -1,12 +1,8 @@
 """An MPI error that says a peer is gone, turned into :class:`~cupycomm.errors.PeerLost`.
 
-The host backend's calls, a Work's wait and the object collectives catch ``MPI.Exception``
-(a ``try`` costs a call nothing in CPython 3.11 until it raises) and hand it to
-:func:`peer_lost`, which raises PeerLost where the communicator is one of a process that
-survives losses (:mod:`.policy`) and the error is one of ULFM's (ERR_PROC_FAILED,
-ERR_PROC_FAILED_PENDING, ERR_REVOKED); otherwise it returns and the caller re-raises the
-MPI error as before. What it does first (revoke, abort the NCCL communicator; nothing
-collective) is :meth:`.state.Survival.lose`'s.
+The host calls catch ``MPI.Exception`` (a ``try`` costs nothing in CPython 3.11 until it
+raises) and hand it to :func:`peer_lost`: PeerLost in the "raise" mode for ULFM's errors
+(ERR_PROC_FAILED, ERR_PROC_FAILED_PENDING, ERR_REVOKED), else the caller re-raises it.
 
 Example (what a host call does)::
 

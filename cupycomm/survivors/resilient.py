@@ -114,16 +114,12 @@ def resilient(step: Step, state: State, comm: Communicator, *, steps: int,
 
 
 def _together(comm: Communicator, action: Callable[..., Any], *args: Any) -> bool:
-    """Whether ``action(*args)`` ended without PeerLost, its device collectives on ``comm``
-    completed and none cut short, and without a loss known, on every rank of ``comm``: the
-    same answer on each, so that all survivors take the same branch next, even where a loss
-    broke a collective for some of them and not for others (a root that died after
-    sending). A device collective returns at launch, and one that a dying peer cuts short
-    ends only at the abort (the watchdog's, or NCCL's asynchronous error's), its result
-    undefined (all zeros on an H200,
-    benchmarks/results/gpu_h200_2026-11-27_survivors_run1.log): so the vote comes only
-    once this rank's device work has completed (:func:`settled`), which raises PeerLost
-    where an abort cut it short. A loss known but not raised counts too."""
+    """Whether ``action(*args)`` ended on every rank of ``comm`` without PeerLost, a loss
+    known, or a device collective cut short: one answer on each, so that all survivors take
+    the same branch even where a loss broke a collective for some only. The vote waits for
+    this rank's device work (:func:`settled`): a cut-short collective returned at launch, its
+    result undefined (zeros on an H200:
+    benchmarks/results/gpu_h200_2026-11-27_survivors_run1.log)."""
     try:
         action(*args)
         settled(comm, "resilient")

@@ -1,21 +1,10 @@
-"""One communicator's life among peers that may be lost: who is gone, agreeing, the
-successor.
+"""One communicator's life among peers that may be lost: who is gone, agreeing, the successor.
 
-A :class:`Survival` belongs to each communicator made in ``on_peer_loss="raise"`` mode. The
-first MPI error that says a peer is gone (:mod:`.lost`) makes this rank revoke the MPI
-communicator, so that every survivor's pending and later calls on it fail too, and abort
-its NCCL communicator; the PeerLost names the lost ranks this rank's MPI knows of. Nothing
-collective happens there: a call that the loss broke may have completed on other
-survivors, which go on to their next call (or to ``comm.agree``), so an agreement made by
-the ranks that raised alone would be matched with another call of the others (ULFM's
-agreements and shrinks are matched by their order on the communicator, whichever they
-are). What is agreed, and the same on every survivor, is the successor
-(:meth:`Survival.successor`, ULFM's ``MPI_Comm_shrink``): its members, hence the lost
-ranks; and before it is handed over, that every survivor has issued as many calls on the
-communicator since its last ``comm.agree`` (or its start), so that all of them stand at
-the same call. Where they do not, the successor is refused on every survivor alike: a
-program that redid "the step that raised" would redo different steps and match each
-other's collectives wrongly.
+A :class:`Survival` belongs to each communicator of the "raise" mode. The first MPI error
+that says a peer is gone revokes the MPI communicator and aborts the NCCL one, nothing
+collective; what is agreed, the same on every survivor, is the successor
+(:meth:`Survival.successor`: its members, and that every survivor stands at the same call).
+Why: docs/internals.md, "survivors/state.py".
 
 Example (4 ranks, world rank 1 killed)::
 
@@ -59,7 +48,7 @@ def survival_for(mpi_comm: MPI.Comm, tracker: Any, router: Any) -> Optional["Sur
 
 
 class Survival:
-    """What a communicator of the "raise" mode knows of its lost peers; see the module."""
+    """What a communicator of the "raise" mode knows of its lost peers (docs/internals.md)."""
 
     def __init__(self, mpi_comm: MPI.Comm, router: Any, tracker: Any) -> None:
         self._mpi = mpi_comm
@@ -89,7 +78,7 @@ class Survival:
     def lose(self, call: str, seq: int) -> PeerLost:
         """The PeerLost of ``call`` #``seq``, after (the first time) revoking the
         communicator (and those attached) and aborting its NCCL communicator; local: the
-        lost ranks are those this rank's MPI knows of (see the module)."""
+        lost ranks are those this rank's MPI knows of."""
         self._raised_at = max(self._raised_at, seq)
         if self.lost is None:
             for comm in (self._mpi, *self._attached):

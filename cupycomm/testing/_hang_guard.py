@@ -1,25 +1,12 @@
 """Ending a test that cannot finish: why, each rank's failure and Python stack, then MPI_Abort.
 
-The process's watchdog thread (:mod:`cupycomm.faults.watchdog`) looks at each rank's
-:class:`HangGuard`: a deadline armed for each test, and a :class:`~cupycomm.faults.board.Board`
-on which every rank of its node says where it is: which test, running it or waiting in one
-of the plugin's rounds, and with which outcome. The job is ended
-
-- at the deadline (the test's timeout);
-- when a rank of the node has died (its process ended before it finished the session:
-  ``os._exit``, a signal, a crash), at once;
-- when a rank has finished a phase of a test with a failure, a skip or an expected failure
-  and waits in the round that follows, while another rank is still running that phase
-  ``FAILED_WAIT`` s later: that one is almost certainly blocked in a collective the first
-  will never enter. (A test whose other ranks go on computing that long after one rank
-  failed ends the job too; the failure is reported either way.)
-
-The first rank of the node to notice prints why, then for each rank of the node its failure
-of the test (if it has one) and its stacks (:class:`~cupycomm.faults.stacks.PeerStacks`),
-then the tests that failed before, and aborts the job. The other ranks act later (``_GRACE``
-plus the time the first needs), in case the first one's thread cannot run; the death of a
-rank that said on the board that it is aborting the job is not reported again (Open MPI's
-launcher kills the others a moment after that rank has died).
+The process's watchdog thread looks at each rank's :class:`HangGuard`: a deadline armed for
+each test, and a :class:`~cupycomm.faults.board.Board` on which every rank of its node says
+where it is (which test, running it or waiting in one of the plugin's rounds, its outcome).
+The job is ended at the deadline, at once when a rank of the node has died, and when a rank
+that failed a phase waits while another still runs it ``FAILED_WAIT`` s later. The first
+rank of the node to notice reports and aborts. The rules, and why: docs/internals.md,
+"testing/_hang_guard.py".
 """
 from __future__ import annotations
 

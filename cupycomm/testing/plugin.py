@@ -4,20 +4,11 @@
 With more than one rank, the ranks act as one session (see ``_session``): rank 0 prints the
 one report, a test fails if it fails on any rank, skips and collection agree, a hanging test
 ends the job at its timeout with every rank's stack, and every rank exits with the job's
-status. In one process the plugin adds a header line, the markers and the fixtures (the
-timeout is not enforced there: no peer can leave a test waiting); in one process that no
-launcher started (a plain ``pytest``, not ``mpiexec -n 1``), it also runs the tests meant for
-more ranks in ``mpiexec`` jobs of their own (isolated mode, see ``_isolated``).
-
-Markers: ``mpi(n=N or [N, ...])`` or ``mpi(min_size=N, max_size=M)``, ``mpi_timeout(seconds)``,
-``gpu``.
-Options: ``--mpi-timeout=SECONDS`` or the ini value ``mpi_timeout`` (default 60; 0: none);
-``--mpi-isolated=yes|no`` or the ini value ``mpi_isolated`` (default yes); the ini value
-``mpi_sizes`` (default ``1``): the world sizes of a test with no ``n`` in isolated mode.
-Fixtures: ``mpi_comm`` (a fresh duplicate of COMM_WORLD), ``cupycomm_comm`` (a fresh
-cupycomm communicator), each for one test. Making a communicator is collective, so both are
-made before any fixture of the test: a fixture that skips or fails on some ranks only cannot
-keep the others waiting in it.
+status. In one process the plugin adds a header line, the markers and the fixtures; in one
+that no launcher started it also runs the tests meant for more ranks in ``mpiexec`` jobs of
+their own (isolated mode, see ``_isolated``). Its markers (``mpi``, ``mpi_timeout``,
+``gpu``), options and fixtures (``mpi_comm``, ``cupycomm_comm``, made before any fixture of
+the test, since making one is collective) are tabled in docs/guide/testing.md.
 """
 from __future__ import annotations
 

@@ -1,161 +1,17 @@
-"""STAND-IN for CUDA and NCCL: the subset of CuPy that cupycomm's NCCL backend uses, on host memory.
+"""STAND-IN for CUDA and NCCL: the subset of CuPy that the NCCL backend uses, on host memory.
 
-This is a test double, not a GPU path. It lets the real device backend
-(``cupycomm/backends/nccl.py``: counts, byte offsets, NCCL datatype and op codes, roots,
-groups, stream and event choreography, lazy creation, close) run in CI on machines without
-a GPU. Only CUDA and NCCL are stood in:
+A test double, not a GPU path: it lets the real device backend (``cupycomm/backends/nccl.py``)
+run in CI on machines without a GPU. ``ndarray`` is a NumPy array that claims to live on a
+device, and each NCCL call checks its byte ranges against the live allocations;
+``cuda.Stream`` runs work in order, a deferred one (every one under
+``CUPYCOMM_STANDIN_DEFER_ALL=1``) only once something waits for it;
+``cuda.nccl.NcclCommunicator`` has CuPy's signatures and does the work with MPI.
 
-- ``ndarray`` is a NumPy array that claims to live on a device (``x.device.id``) and exposes
-  its address as ``x.data.ptr``. Every allocation is registered, and each NCCL call checks
-  that the byte ranges it was given lie inside live allocations, as compute-sanitizer would.
-- ``cuda.Stream`` runs work in order. A stream made with ``deferred=True`` holds its work
-  back until something waits for it (``synchronize``, or an event recorded after the work
-  that another stream waits on): a missing event wait in the backend then shows up as stale
-  data, exactly as on a GPU. ``CUPYCOMM_STANDIN_DEFER_ALL=1`` makes every stream deferred
-  (and a query of a stream's progress from the main thread lets it get one step further,
-  as a busy GPU does). Stand-in kernels (assignments, copies, ``concatenate``, NumPy's ufuncs
-  on device arrays) keep their stream's order (rule 6).
-- ``cuda.nccl.NcclCommunicator`` has CuPy's signatures (pointers, counts, NCCL datatypes,
-  stream pointers) and does the work with MPI on host memory. Its unique id names the rank
-  that made it; the members meet there over MPI (as NCCL's bootstrap meets at the address
-  inside its id) and build their MPI communicator with ``MPI_Comm_create_group``.
-
-The rules it enforces where cupycomm depends on them, each broken on purpose by a test of
-``tests/testing/test_standin_rules.py`` (source in brackets):
-
-1. ``cuda.nccl`` exists only once ``<module>.cuda.nccl`` is imported [CuPy's
-   ``cupy/cuda/__init__.py`` does not import it; its ``__getattr__`` raises AttributeError].
-2. An event last recorded in a capturing stream is never ``done`` and cannot be synchronized,
-   during the capture (which the query invalidates) or after it [CUDA Runtime API,
-   cudaEventQuery/cudaEventSynchronize: cudaErrorCapturedEvent; CuPy's ``Event.done`` is
-   ``eventQuery(ptr) == 0``, ``synchronize`` raises].
-3. In global or thread-local capture mode, a query, synchronize or new allocation from a
-   thread not in relaxed mode is refused and invalidates the capture; CuPy's
-   ``begin_capture()`` defaults to relaxed, torch's graphs capture in global mode
-   [cudaThreadExchangeStreamCaptureMode, "potentially unsafe API calls"; CuPy
-   ``cupy/cuda/stream.pyx`` begin_capture; pytorch#104555].
-4. A capturing stream may not wait on an event recorded outside the capture
-   [CUDA Programming Guide, stream capture, "Prohibited and Unhandled Operations":
-   cudaErrorStreamCaptureIsolation without cudaEventWaitExternal].
-5. Streams forked into a capture must be joined back before it ends
-   [cudaStreamEndCapture: cudaErrorStreamCaptureUnjoined].
-6. Streams are unordered without events: deferred streams, ``CUPYCOMM_STANDIN_DEFER_ALL``
-   [CUDA Programming Guide, streams: only events and the legacy stream order two streams].
-   The stand-in's own kernels are the current stream's: an assignment, ``copy`` or
-   ``concatenate`` queues behind the stream's earlier work, a ufunc first lets the stream get
-   past it; a host copy (``asnumpy``, ``get``) waits for the current stream of the array's
-   device [CuPy v14.2.0 ``cupy/_core/core.pyx``: kernels launch on the current stream;
-   ``get`` copies on it with the array's device current, then synchronizes it].
-7. Freed memory goes back to the pool of the stream current at its allocation, is poisoned
-   in that stream's order and may then be reused by that stream at once [CuPy's
-   ``MemoryPool``: per-stream arenas, stream-ordered reuse].
-8. A thread has its own current device, 0 when new; each device has its own null stream
-   (handle 0 means the current device's) [cudaSetDevice is per host thread; the legacy
-   default stream is per device; CuPy's ``get_current_stream(device_id=-1)``].
-9. Events and streams of different devices do not mix: an event is recorded only on a
-   stream of its own device, a stream is made current only on its device; waiting across
-   devices is allowed [cudaEventRecord: cudaErrorInvalidResourceHandle; CuPy
-   ``check_stream_device_match``; cudaStreamWaitEvent].
-10. A communicator is made on the current device, and two ranks on one GPU are refused
-    unless their ``NCCL_HOSTID`` differ or ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (``SHARED_GPUS``
-    models ranks that see one node's GPUs) [NCCL ``init.cc``: "Duplicate GPU detected",
-    ncclInvalidUsage; the host hash of NCCL_HOSTID].
-11. An aborted or destroyed communicator refuses every call, ``check_async_error``
-    included; destroy or abort while another thread is inside a call on it (a launch,
-    ``check_async_error``) is refused [CuPy's destroy/abort set the handle to NULL: NCCL
-    answers ncclInvalidArgument; ncclCommGetAsyncError takes no lock while ncclCommDestroy
-    frees the communicator; NCCL's user guide, "Thread Safety": no concurrent operations on
-    one communicator from several threads].
-12. Arguments are converted as CuPy's compiled signatures do: arity, TypeError without
-    ``__index__``, OverflowError outside the C type, ``bytes`` unique ids [CuPy's
-    ``cupy_backends/cuda/libs/nccl.pyx`` and ``cupy_backends/cuda/api/runtime.pyx``;
-    :data:`SIGNATURES`].
-13. One communicator's kernels run in the order they were issued, whatever their streams (not
-    in captures): a call on one stream first lets the stream of the communicator's previous
-    call get past it [NCCL ``enqueue.cc``: ncclLaunchPrepare makes the launch stream wait on
-    the communicator's device stream, ncclLaunchFinish makes that wait on the kernel].
-14. ``cudaSetDevice`` creates its device's primary context in the process (:data:`contexts`,
-    :func:`context_devices`), and so does any runtime call on a device without one;
-    ``Device.__exit__`` always sets the previous device back, 0 in a thread that never set
-    one; a thread has no current context (``driver.ctxGetCurrent()`` is 0) until such a call
-    binds its current device's [CUDA 12 Runtime API, cudaSetDevice: "initializes the primary
-    context"; CUDA Driver API, cuCtxGetCurrent: NULL "if no context is bound to the calling
-    CPU thread"; pytorch#94864, and torch's ``cuda.device.__exit__`` (c10's
-    MaybeExchangeDevice sets no device back whose context does not exist); CuPy v14.2.0
-    ``cupy/cuda/device.pyx``, ``Device.__enter__``/``__exit__``,
-    ``cupy_backends/cuda/api/driver.pyx`` ctxGetCurrent].
-15. One communicator is not used from two threads at once: a call from a thread while
-    another thread is inside a call on it, or while another thread's open group holds a
-    call of it, is refused; a call from another thread after the last one returned runs,
-    whether or not its kernels have completed; ``groupStart``/``groupEnd`` state is per
-    thread [NCCL's user guide, "Thread Safety": concurrent host calls on one communicator
-    are forbidden, nothing else; "Group Calls": the group state is thread-local].
-16. The legacy null stream synchronizes with the blocking streams of its device: work on it
-    waits for their earlier work and theirs for its earlier work; non-blocking streams are
-    not ordered with it [CUDA Runtime API, "Stream synchronization behavior", legacy default
-    stream; ``cudaStreamNonBlocking``].
-17. Handle 2 is the calling thread's per-thread default stream of the current device, a
-    blocking stream (ordered with the legacy null stream) [CUDA Runtime API,
-    ``cudaStreamPerThread``, "Stream synchronization behavior"; CuPy ``Stream.ptds``].
-18. Graph launches of one communicator are serialized with its other calls: a replayed NCCL
-    call takes its place in rule 13's order when the graph is launched [NCCL
-    ``strongstream.cc``/``enqueue.cc``: a captured launch is ordered after the communicator's
-    serial event, so graphs of one communicator never run their kernels at once].
-19. A communicator is not freed while a CUDA graph that captured a call of it lives:
-    ``destroy`` and ``abort`` (and so CuPy's destructor) wait until every such graph is
-    destroyed, which the stand-in refuses instead of hanging; :func:`comm_revoke` (NCCL's
-    ncclCommRevoke, NCCL >= 2.28.9, in NVIDIA's nccl4py as ``nccl.bindings.nccl.comm_revoke``;
-    CuPy has none) ends the communicator's kernels in flight and later ones at once,
-    output undefined, and frees nothing [NCCL ``src/init.cc`` commDestroySync, which both
-    ncclCommDestroy and ncclCommAbort reach: "keep polling until all graphs referencing us
-    die" (``localPersistentRefs``, taken per captured plan in ``enqueue.cc`` and released by
-    the graph's destructor); CuPy's ``Graph`` destroys its graph only when collected;
-    nccl4py ``nccl/core/communicator.py``, ``revoke``: "Stops all in-flight operations"].
-20. A failed runtime call is kept as the host thread's last error (:func:`last_error`), which
-    CuPy's wrappers reset before they raise; its Python runtime has no ``getLastError``: a
-    ``deviceEnablePeerAccess`` of a pair already enabled (status 704) leaves none [CUDA
-    Runtime API, cudaGetLastError: the last error of any runtime call in the host thread,
-    reset by the call; CuPy v14.2.0 ``cupy_backends/cuda/api/runtime.pyx``: ``check_status``
-    calls cudaGetLastError before raising, as ``_deviceEnsurePeerAccess`` does for 704].
-21. A communicator that lost a member (its process died: under MPI's ULFM, a member in its
-    MPI communicator's failed group; tests set ``member_lost``) is aborted, never destroyed:
-    ncclCommDestroy waits for the peers, and after an abortive shrink NCCL >= 2.31 hangs in
-    it [pytorch#194679; NCCL's user guide, "Fault Tolerance" and ncclCommShrink: with
-    NCCL_SHRINK_ABORT the parent communicator is to be aborted]. ``freed_by`` says which call
-    ended a communicator.
-22. A collective or transfer whose member died does not fail: its kernel waits for the
-    data that never comes, the communicator reports ncclRemoteError (6) through
-    ``check_async_error`` (ncclCommGetAsyncError), and only ``abort`` ends the kernel,
-    which overwrites its output with garbage (zeros, as an H200 wrote), as it does the
-    output of every kernel the abort ends or that runs after it; the host never blocks in
-    a launch or an event wait (work queues behind the waiting kernel), only in a
-    synchronization; calls queued before the error was reported wait too, and every launch
-    after it returns it (ncclRemoteError, enqueuing nothing); an abort under MPI's ULFM
-    breaks its connections, so that the other members' kernels stop waiting for it [NCCL's
-    user guide, "Error handling and communicator abort": NCCL kernels are blocking, an error
-    is reported through ncclCommGetAsyncError and ncclCommAbort ends the operations in
-    flight, whose results cannot be assumed; NCCL ``enqueue.cc`` ncclEnqueueCheck calls
-    ncclCommEnsureReady (``init.cc``), which returns the communicator's asynchronous error
-    to every later launch; ncclResult_t ncclRemoteError: "a remote process exiting
-    prematurely"; seen on an H200, benchmarks/results/gpu_h200_2026-11-27_survivors_run*.log:
-    a kernel that a killed peer left waiting until the abort, another that returned zeros,
-    NCCL's "socketProgress: Connection closed by remote peer"]. Under ULFM (``LOSSES``:
-    MPI's errors that say a member is gone) the stand-in's MPI error never reaches the
-    caller.
-23. A communicator that is collected unfreed is destroyed by its destructor, in whatever
-    thread the garbage collector runs, with rules 11, 19 and 21 [CuPy
-    ``cupy_backends/cuda/libs/nccl.pyx``: ``NcclCommunicator.__dealloc__`` calls
-    ``destroy()``, ncclCommDestroy].
-24. The first call (or group) that needs a peer connects to it: the host blocks in the
-    launch (in ``groupEnd`` for a group, in the capture for a captured call) until that
-    peer's first call that needs this rank, a collective needing every member; only
-    :func:`comm_revoke` ends the wait [NCCL ``init.cc``: NCCL_RUNTIME_CONNECT, on by
-    default since 2.22, defers the transport setup from ncclCommInitRank to the first
-    launch; ``transport.cc`` ncclTransportP2pSetup waits for the peer's side there, polling
-    the communicator's abort flag].
-
-``NO_WORK = True`` turns the data movement off (every call still validates and enqueues),
-so a benchmark can time the backend's own Python cost.
+It enforces numbered rules where cupycomm depends on CUDA and NCCL, each with its source and
+each broken on purpose by ``tests/testing/test_standin_rules.py``; tests cite them by number
+("stand-in rule 22"). The rules, and how the stand-in works: docs/internals.md, "The
+stand-in's rules". ``NO_WORK = True`` turns the data movement off (every call still
+validates and enqueues), so a benchmark can time the backend's own Python cost.
 """
 from __future__ import annotations
 

@@ -2,32 +2,16 @@
 device feature run end to end on this machine, with the versions and the topology, in one
 JSON file to attach to a bug report.
 
-What runs, each a line with a verdict (``pass``, ``fail`` or ``not run``, and why) agreed by
-every rank:
-
-- **host**: every collective on NumPy arrays through MPI, in each dtype of
-  :data:`CHECKED_DTYPES`, against NumPy;
-- **device** (when every rank has a GPU): the same on CuPy arrays through NCCL, then async
-  Work, a user's current stream and ``stream=``, CUDA graph capture and replay (after a
-  warm-up), subgroups (``split``, ``new_group``), ``batch()``, ``all_reduce_coalesced`` and
-  ``bucket``, torch tensors (CUDA tensors where torch has CUDA, else CPU tensors through MPI;
-  not run without torch), :mod:`cupycomm.devices` over every GPU this process sees, and
-  :func:`cupycomm.devices.prefetch`;
-- **benchmark**: ``all_reduce`` of cupycomm against a raw ``NcclCommunicator`` on the same
-  device, interleaved call for call (``cupycomm.bench``), at :data:`BENCH_BYTES`, results
-  checked (on a stand-in device module, the smallest size only: its times are no GPU's).
-
-The file also holds the versions (cupycomm, Python, NumPy, mpi4py, the MPI library and the
-launcher, CuPy, the CUDA driver and runtime, NCCL, torch), the ``NCCL_*``/``CUDA_*``/
-``CUPYCOMM_*`` variables, and the topology (nodes, GPUs per node, ranks per GPU, and per rank
-its host and GPU), and notes: where ranks share a GPU without setting what NCCL needs for
-that (``NCCL_MULTI_RANK_GPU_ENABLE=1`` or a ``NCCL_HOSTID`` each). Without a GPU the report
-says so plainly (``gpu.found`` false, and why) and holds the host lines, versions and topology.
-
-Exit status of :func:`run` (and of the command): :data:`EXIT_PASSED` (0) every line passed or
-was not run for a reason given; :data:`EXIT_FAILED` (1) a line failed on some rank;
-:data:`EXIT_NO_GPU` (3) nothing failed, but some rank has no GPU, so the device lines did not
-run. ``python -m cupycomm`` exits 2 on a bad command line or a file it cannot write.
+Each line (**host**: every collective on NumPy arrays in each dtype of
+:data:`CHECKED_DTYPES`; **device**: the same on CuPy arrays and every device feature;
+**benchmark**: ``all_reduce`` against a raw ``NcclCommunicator`` at :data:`BENCH_BYTES`, the
+smallest size only on a stand-in device module) has a verdict agreed by every rank:
+``pass``, ``fail`` or ``not run``, and why. The file also holds the versions, the
+``NCCL_*``/``CUDA_*``/``CUPYCOMM_*`` variables, the topology, and notes (ranks sharing a GPU
+without what NCCL needs for that). :func:`run` exits :data:`EXIT_PASSED`,
+:data:`EXIT_FAILED` or :data:`EXIT_NO_GPU`; ``python -m cupycomm`` exits 2 on a bad command
+line or a file it cannot write. What each line runs, and the statuses:
+docs/guide/reporting-a-problem.md.
 """
 from __future__ import annotations
 
