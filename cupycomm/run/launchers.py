@@ -224,7 +224,7 @@ def nested_environment(environ: Mapping[str, str]) -> Dict[str, str]:
 class JobVariable:
     """A variable by which a launcher tells each rank it starts about its job."""
     name: str
-    says: str      # "size" (the ranks it started), "rank" or "local rank" (on its node)
+    says: str      # "size" (the ranks it started), "rank", "local rank" or "node" (its name)
     set_by: str    # the launchers that set it, as messages name them
 
 
@@ -234,8 +234,8 @@ class JobVariable:
 # allocation's, not a job's (srun's is SLURM_STEP_NUM_TASKS), and a batch script has
 # SLURM_PROCID and SLURM_LOCALID too: neither tells a launcher's rank.
 #: The variables by which each launcher tells its ranks about their job (its size, a rank, a
-#: rank's place on its node), whatever the job's size. The one table that
-#: ``started_by_a_launcher()`` and ``init()``'s check of the world and local ranks read.
+#: rank's place on its node, the node's name), whatever the job's size. The one table that
+#: ``started_by_a_launcher()``, ``init()``'s checks and ``node_name()`` read.
 JOB_VARIABLES: Tuple[JobVariable, ...] = (
     JobVariable("PMI_SIZE", "size",
                 "a PMI launcher (MPICH's or Intel MPI's mpiexec, srun --mpi=pmi2)"),
@@ -247,6 +247,8 @@ JOB_VARIABLES: Tuple[JobVariable, ...] = (
     JobVariable("OMPI_COMM_WORLD_LOCAL_RANK", "local rank", "Open MPI's mpiexec"),
     JobVariable("MPI_LOCALRANKID", "local rank", "MPICH's or Intel MPI's mpiexec"),
     JobVariable("SLURM_LOCALID", "local rank", "srun"),
+    JobVariable("PMI_HOSTNAME", "node", "MPICH's mpiexec (a simulated node's name too)"),
+    JobVariable("SLURMD_NODENAME", "node", "srun (its slurmd's)"),
 )
 
 
