@@ -1,7 +1,7 @@
 """What cupycomm knows about MPI launchers: how to name one, the flags a job needs, its variables.
 
-Each kind of launcher, and the MPI it starts, is a row (:class:`Kind`) of :data:`KINDS`,
-told apart by what its ``--version`` prints; anything else is ``other``:
+Each kind of launcher, and the MPI it starts, is a row (:class:`Kind`) of :data:`KINDS` (the
+reference prints it), told apart by what its ``--version`` prints; anything else is ``other``:
 it gets a plain ``-n N``. :func:`find` names the launcher of the environment we run in;
 :meth:`Launcher.command` gives the argv of a job up to the program, and
 :meth:`Launcher.environment` the environment of a job started from inside a rank. ``python -m
