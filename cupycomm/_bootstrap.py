@@ -39,11 +39,9 @@ def node_comm(comm: MPI.Comm) -> MPI.Comm:
 
 
 def node_name() -> str:
-    """This node's name: the launcher's (MPICH's hydra says PMI_HOSTNAME, the name it was
-    given, which may be a simulated node's; srun SLURMD_NODENAME, its slurmd's), else the
-    host's."""
-    return (os.environ.get("PMI_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
-            or socket.gethostname())
+    """This node's name: the launcher's (hydra's may be a simulated node's), else the host's."""
+    return next((os.environ[name] for name in launchers.job_variables("node")
+                 if os.environ.get(name)), socket.gethostname())
 
 
 _local_rank_checked = False

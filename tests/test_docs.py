@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from cupycomm.tools.docs import call_table, dtype_table, variable_table
+from cupycomm.tools.docs import call_table, dtype_table, launcher_table, variable_table
 from cupycomm.testing import launch_environment, no_auto_cleanup, run_job, run_mpiexec
 
 pytestmark = pytest.mark.mpi(max_size=1)   # the snippets start jobs of their own
@@ -88,6 +88,7 @@ def without_pytest(directory):
     (dtype_table, "docs/guide/dtypes-and-ops.md"),
     (call_table, "docs/guide/collectives.md"),
     (variable_table, "docs/reference/environment.md"),
+    (launcher_table, "docs/reference/launchers.md"),
 ])
 def test_generated_tables_are_those_of_the_code(table, page):
     assert table() in (ROOT / page).read_text(), (

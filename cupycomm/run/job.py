@@ -93,25 +93,6 @@ exit status:
 """
 """The text of ``--help`` (its first line names the tool as it was called)."""
 
-# The launchers' options for rank-prefixed output, and how one passes a variable to ranks on
-# other nodes (Open MPI passes only the variables it is told to; the others pass them all).
-_PREFIX: Dict[str, Tuple[str, ...]] = {"hydra": ("-prepend-rank",),
-                                       "intelmpi": ("-prepend-rank",),
-                                       "openmpi": ("--tag-output",), "srun": ("--label",)}
-_EXPORT: Dict[str, str] = {"openmpi": "-x"}
-# How a job's session is ended, where SIGKILL would leave something behind: srun killed gives
-# back no allocation it made (the job stays RUNNING with no task, unless InactiveLimit is set);
-# on SIGTERM it ends its tasks and gives the allocation back.
-_STOP: Dict[str, int] = {"srun": signal.SIGTERM}
-# The variables without which a launcher refuses to run as root (prterun: "prterun has
-# detected an attempt to run as root"), each set to 1.
-_ROOT_CONSENT: Dict[str, Tuple[str, ...]] = {
-    "openmpi": ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")}
-# What a launcher prints when it fails on its own at the end of a job that finished (above).
-_OWN_FAILURE: Dict[str, bytes] = {"hydra": b"unable to send SIGUSR1 downstream"}
-# How hydra says that a signal ended a rank (its exit status is then the signal's number).
-_KILLED = re.compile(rb"EXIT STRING: (\w[\w ]* \(signal \d+\))")
-
 
 @dataclasses.dataclass
 class Options:
@@ -191,11 +172,10 @@ def _job_argv(options: Options, launcher: launchers.Launcher,
               variables: Sequence[str]) -> List[str]:
     command = launcher.command(options.n, leave_cleanup_to_cupycomm=True,
                                survivors=options.survivors)
-    extra = list(_PREFIX.get(launcher.kind, ())) if options.prefix_output else []
-    export = _EXPORT.get(launcher.kind)
-    if export:
-        for name in variables:
-            extra += [export, name]
+    row = launchers.KINDS[launcher.kind]
+    extra = list(row.prefix_output) if options.prefix_output else []
+    for name in variables if row.export else ():
+        extra += [row.export, name]
     return [command[0], *extra, *options.launcher_args, *command[1:], *options.program]
 
 
@@ -209,7 +189,7 @@ class _Forwarder:
 
     def __init__(self, stop: int = signal.SIGKILL, survivors: bool = False) -> None:
         self.signal: Optional[int] = None   # the first signal that arrived
-        self._stop = stop   # what ends the launcher's session first (see _STOP)
+        self._stop = stop   # what ends the launcher's session first (Kind.stop)
         self._survivors = survivors   # a rank that died does not end the job (--survivors)
         self.died: List[int] = []   # ranks of this host seen dead without an end recorded
         # ranks of this host whose processes ended before they recorded anything, their pids
@@ -277,14 +257,14 @@ def _send(kill, pid: int, number: int) -> None:
 
 class _Copy:
     """Copies one of the launcher's streams to ``target`` (ours) as it comes, noting whether
-    it said ``words``, and what it said of a rank that a signal ended (hydra's "Killed
-    (signal 9)", on its stdout). A copy that cannot be written (our stream closed) still
+    it said its ``row``'s own failure, and what it said of a rank that a signal ended (hydra's
+    "Killed (signal 9)", on its stdout). A copy that cannot be written (our stream closed) still
     drains the launcher's, which must not block on a full pipe."""
 
-    def __init__(self, pipe, target, words: bytes) -> None:
+    def __init__(self, pipe, target, row: launchers.Kind) -> None:
         self.said = False
         self.killed = ""
-        self._pipe, self._target, self._words = pipe, target, words
+        self._pipe, self._target, self._row = pipe, target, row
         self._thread = threading.Thread(target=self._copy, daemon=True)
         self._thread.start()
 
@@ -297,8 +277,8 @@ class _Copy:
             except (OSError, ValueError):
                 pass
             seen = last[-200:] + chunk
-            self.said = self.said or self._words in seen
-            killed = _KILLED.search(seen)
+            self.said = self.said or self._row.own_failure.encode() in seen
+            killed = re.search(self._row.says_killed.encode(), seen)
             if killed and not self.killed:
                 self.killed = killed[1].decode(errors="replace")
             last = chunk
@@ -457,10 +437,11 @@ class _Refused(Exception):
 
 
 def _check(options: Options, launcher: launchers.Launcher) -> None:
-    if options.survivors and not launchers.KINDS[launcher.kind].survivors:
+    row = launchers.KINDS[launcher.kind]
+    if options.survivors and not row.survivors:
         raise _Refused(f"--survivors: {launcher.executable} ({launcher.kind}) cannot let "
                        f"ranks go on past a lost one; Open MPI 5's mpiexec can")
-    consent = _ROOT_CONSENT.get(launcher.kind, ())
+    consent = row.root_consent
     if (consent and os.geteuid() == 0 and not all(name in os.environ for name in consent)
             and "--allow-run-as-root" not in options.launcher_args):
         raise _Refused(f"{launcher.executable} ({launcher.kind}) refuses to run as root: "
@@ -493,16 +474,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = launcher.environment(os.environ)
     env.update(variables)
     argv_ = _job_argv(options, launcher, list(variables))
-    own_failure = _OWN_FAILURE.get(launcher.kind)
-    forwarder = _Forwarder(_STOP.get(launcher.kind, signal.SIGKILL), options.survivors)
+    row = launchers.KINDS[launcher.kind]
+    forwarder = _Forwarder(row.stop, options.survivors)
     try:
-        piped = subprocess.PIPE if own_failure else None
+        piped = subprocess.PIPE if row.own_failure else None
         # SIGPIPE stays ignored, as in this Python: hydra with simulated nodes was killed by
         # it (status -13) after every rank had finished, writing to a proxy already gone
         child = subprocess.Popen(argv_, env=env, start_new_session=True, stdout=piped,
                                  stderr=piped, restore_signals=False)
-        copies = ([_Copy(child.stdout, sys.stdout, own_failure),
-                   _Copy(child.stderr, sys.stderr, own_failure)] if own_failure else [])
+        copies = ([_Copy(child.stdout, sys.stdout, row), _Copy(child.stderr, sys.stderr, row)]
+                  if row.own_failure else [])
         returncode = forwarder.wait(child, directory, options.n)
         for copy in copies:
             copy.finish()

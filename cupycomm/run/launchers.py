@@ -1,28 +1,14 @@
 """What cupycomm knows about MPI launchers: how to name one, the flags a job needs, its variables.
 
-Four kinds, told apart by what ``--version`` prints:
-
-============  ==========================================  =================================
-kind          launcher                                    ``--version`` says
-============  ==========================================  =================================
-``hydra``     MPICH's ``mpiexec`` (and MVAPICH's)         ``HYDRA build details``
-``openmpi``   Open MPI's ``mpiexec``/``mpirun``, PRRTE    ``mpiexec (Open MPI) 5.0.11``
-``intelmpi``  Intel MPI's ``mpiexec`` (a hydra of its     ``Intel(R) MPI Library ...``
-              own)
-``srun``      Slurm                                       ``slurm 23.11.4``, Debian's and
-                                                          Ubuntu's ``slurm-wlm 22.05.8``;
-                                                          ``srun: ...`` where it finds no
-                                                          configuration
-============  ==========================================  =================================
-
-Anything else is ``other``: it gets a plain ``-n N``. :func:`find` names the launcher of the
-environment we run in; :meth:`Launcher.command` gives the argv of a job up to the program, and
+Each kind of launcher, and the MPI it starts, is a row (:class:`Kind`) of :data:`KINDS` (the
+reference prints it), told apart by what its ``--version`` prints; anything else is ``other``:
+it gets a plain ``-n N``. :func:`find` names the launcher of the environment we run in;
+:meth:`Launcher.command` gives the argv of a job up to the program, and
 :meth:`Launcher.environment` the environment of a job started from inside a rank. ``python -m
 cupycomm.run.launchers -n 3`` prints that argv, shell-quoted (``tests/run.sh`` uses it).
-:data:`JOB_VARIABLES` lists the variables by which a launcher tells its ranks their job's size,
-their rank and their place on the node; :func:`started_by_a_launcher` tells a launcher's rank
-from a process started on its own by them.
-:func:`library_kind` names the MPI library from ``MPI.Get_library_version()``.
+:data:`JOB_VARIABLES` lists the variables by which a launcher tells its ranks about their job;
+:func:`started_by_a_launcher` tells a launcher's rank from a process started on its own by
+them. :func:`library_kind` names the MPI library from ``MPI.Get_library_version()``.
 """
 from __future__ import annotations
 
@@ -33,50 +19,67 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["Launcher", "find", "nested_environment", "started_by_a_launcher", "library_kind",
-           "KINDS", "JobVariable", "JOB_VARIABLES", "job_variables"]
+           "Kind", "KINDS", "JobVariable", "JOB_VARIABLES", "job_variables"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Kind:
-    """One row of the launcher table: how to recognise it, what a job needs, what it sets."""
-    signature: str                   # a regular expression on the --version output
-    cleanup: Tuple[str, ...]         # options that leave ending a failed job to cupycomm
-    oversubscribe: Tuple[str, ...]   # options it needs to start more ranks than cores
-    gives: Tuple[str, ...]           # variables it gives its ranks (``X_*``: a prefix)
-    gives_as_configuration: Tuple[str, ...] = ()  # ...named like the user's configuration
-    survivors: Tuple[str, ...] = ()  # options letting ranks go on past a lost one (none: cannot)
+class Kind:
+    """A row of :data:`KINDS`: what cupycomm knows of a launcher and of the MPI it starts.
+
+    Example::
+
+        KINDS["openmpi"].prefix_output   # ('--tag-output',)
+    """
+    signature: str                                #: a regex on what ``--version`` prints
+    cleanup: Tuple[str, ...] = ()                 #: options that leave a failed job to cupycomm
+    oversubscribe: Tuple[str, ...] = ()           #: options to start more ranks than cores
+    gives: Tuple[str, ...] = ()                   #: variables given to ranks (``X_*`` a prefix)
+    gives_as_configuration: Tuple[str, ...] = ()  #: given ones named like the user's settings
+    survivors: Tuple[str, ...] = ()               #: options letting ranks outlive a lost one
+    prefix_output: Tuple[str, ...] = ()           #: options prefixing output lines with the rank
+    export: str = ""                              #: the option passing a variable to other nodes
+    stop: int = signal.SIGKILL                    #: the signal that ends its session first
+    root_consent: Tuple[str, ...] = ()            #: variables (each =1) it needs to run as root
+    own_failure: str = ""                         #: what it says failing on its own at a job's end
+    says_killed: str = r"(?!)"                    #: a regex whose group 1 names a rank's signal
+    simulates_nodes: bool = False                 #: it can run ranks on nodes of made-up names
+    mpi: str = ""                                 #: :func:`library_kind`'s name of its MPI
+    library: str = r"(?!)"                        #: a regex on its MPI's library version
+    mpi_name: str = ""                            #: its MPI, as messages name it
 
 
 # Measured by diffing `env` in a rank against its parent (the MPICH 4, Open MPI 5.0.11 and
 # Intel MPI 2021 wheels) and, for Slurm, from srun(1)'s OUTPUT ENVIRONMENT VARIABLES. Order
 # matters for recognition: Intel's mpiexec is a hydra too, so it is tried first.
-#: The row of each kind of launcher, by name. A row holds the regular expression that its
-#: ``--version`` output matches, the options that leave ending a failed job to cupycomm, those
-#: that allow more ranks than cores, and the variables it gives its ranks (``X_*`` a prefix),
-#: which a nested job drops.
-KINDS: Dict[str, _Kind] = {
-    "intelmpi": _Kind(
+#: The row of each kind of launcher, by name (:class:`Kind`).
+KINDS: Dict[str, Kind] = {
+    "intelmpi": Kind(
         signature=r"Intel\(R\) MPI",
         cleanup=("-disable-auto-cleanup",),
-        oversubscribe=(),
         gives=("PMI_*", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "HYDI_*", "HYDRA_BSTRAP_*",
                "HYDRA_IP_VERSION", "HYDRA_LAUNCH_TYPE", "I_MPI_INFO_*", "I_MPI_PIN_INFO",
                "I_MPI_PIN_MAPPING", "I_MPI_HYDRA_UUID", "I_MPI_HYDRA_TOPOLIB",
                "I_MPI_BIND_WIN_ALLOCATE", "I_MPI_INTERNAL_MEM_POLICY",
-               "I_MPI_RETURN_WIN_MEM_NUMA")),
-    "hydra": _Kind(
+               "I_MPI_RETURN_WIN_MEM_NUMA"),
+        # no simulated nodes: made-up host names fail ("Unable to run bstrap_proxy on node0")
+        prefix_output=("-prepend-rank",), mpi="intelmpi", library=r"Intel\(R\) MPI",
+        mpi_name="Intel MPI"),
+    "hydra": Kind(
         signature=r"HYDRA",
         cleanup=("-disable-auto-cleanup",),
-        oversubscribe=(),
-        gives=("PMI_*", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "HYDI_*")),
-    "openmpi": _Kind(
+        gives=("PMI_*", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "HYDI_*"),
+        # with -disable-auto-cleanup on several nodes, at a rank's exit (see cupycomm.run.job)
+        prefix_output=("-prepend-rank",), own_failure="unable to send SIGUSR1 downstream",
+        says_killed=r"EXIT STRING: (\w[\w ]* \(signal \d+\))",   # its status: the number
+        simulates_nodes=True, mpi="mpich", library=r"MPICH|MVAPICH", mpi_name="MPICH"),
+    "openmpi": Kind(
         signature=r"Open MPI|OpenRTE|PRRTE|prterun",
-        cleanup=(),
         oversubscribe=("--oversubscribe",),
         gives=("OMPI_*", "PMIX_*", "PRTE_*", "OPAL_USER_PARAMS_GIVEN"),
         # 5.x sets the first four; 4.x's mpirun the orte_*, ess and pmix ones
@@ -89,19 +92,25 @@ KINDS: Dict[str, _Kind] = {
         # ULFM does not listen for); no fence at the start of MPI_Finalize, where survivors
         # were seen waiting for ever (5.0.11: 2 jobs of 10). See cupycomm.survivors.
         survivors=("--with-ft", "ulfm", "--mca", "btl", "tcp,self",
-                   "--mca", "async_mpi_finalize", "1")),
-    "srun": _Kind(
+                   "--mca", "async_mpi_finalize", "1"),
+        # it passes on only the variables it is told to; as root, without consent, it refuses
+        prefix_output=("--tag-output",), export="-x",
+        root_consent=("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"),
+        mpi="openmpi", library=r"Open MPI", mpi_name="Open MPI"),
+    "srun": Kind(
         # Debian and Ubuntu spell their build slurm-wlm; an srun that finds no slurm.conf
         # prints only its complaints, each starting "srun: "
         signature=r"^slurm(-wlm)? \d|^srun: ",
         cleanup=("--kill-on-bad-exit=0",),
-        oversubscribe=(),
         gives=("PMI_*", "PMIX_*", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
                "SLURM_GTIDS", "SLURM_TASK_PID", "SLURM_STEP_*", "SLURM_STEPID",
                "SLURM_SRUN_COMM_*", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_CPU_BIND*",
                "SLURM_TOPOLOGY_ADDR*", "SLURM_PRIO_PROCESS", "SLURM_UMASK",
-               "SLURM_DISTRIBUTION", "SLURMD_NODENAME")),
-    "other": _Kind(signature=r"(?!)", cleanup=(), oversubscribe=(), gives=()),
+               "SLURM_DISTRIBUTION", "SLURMD_NODENAME"),
+        # killed, it gives back no allocation it made (the job stays RUNNING with no task,
+        # unless InactiveLimit is set); on SIGTERM it ends its tasks and gives it back
+        prefix_output=("--label",), stop=signal.SIGTERM),
+    "other": Kind(signature=r"(?!)", mpi="other", mpi_name="this MPI"),
 }
 
 # The user's configuration inside the launchers' namespaces: kept although a prefix above
@@ -139,8 +148,7 @@ class Launcher:
     """A launcher found on this machine.
 
     Attributes:
-        kind: ``"hydra"`` (MPICH), ``"openmpi"`` (Open MPI / PRRTE), ``"intelmpi"``,
-            ``"srun"`` or ``"other"``.
+        kind: its row's name in :data:`KINDS` (``"hydra"``, ``"openmpi"``, ... ``"other"``).
         executable: the absolute path of mpiexec / mpirun / srun.
         version: the first line its ``--version`` printed, and the first line with a
             version number where the first has none (hydra's).
@@ -216,7 +224,7 @@ def nested_environment(environ: Mapping[str, str]) -> Dict[str, str]:
 class JobVariable:
     """A variable by which a launcher tells each rank it starts about its job."""
     name: str
-    says: str      # "size" (the ranks it started), "rank" or "local rank" (on its node)
+    says: str      # "size" (the ranks it started), "rank", "local rank" or "node" (its name)
     set_by: str    # the launchers that set it, as messages name them
 
 
@@ -226,8 +234,8 @@ class JobVariable:
 # allocation's, not a job's (srun's is SLURM_STEP_NUM_TASKS), and a batch script has
 # SLURM_PROCID and SLURM_LOCALID too: neither tells a launcher's rank.
 #: The variables by which each launcher tells its ranks about their job (its size, a rank, a
-#: rank's place on its node), whatever the job's size. The one table that
-#: ``started_by_a_launcher()`` and ``init()``'s check of the world and local ranks read.
+#: rank's place on its node, the node's name), whatever the job's size. The one table that
+#: ``started_by_a_launcher()``, ``init()``'s checks and ``node_name()`` read.
 JOB_VARIABLES: Tuple[JobVariable, ...] = (
     JobVariable("PMI_SIZE", "size",
                 "a PMI launcher (MPICH's or Intel MPI's mpiexec, srun --mpi=pmi2)"),
@@ -239,6 +247,8 @@ JOB_VARIABLES: Tuple[JobVariable, ...] = (
     JobVariable("OMPI_COMM_WORLD_LOCAL_RANK", "local rank", "Open MPI's mpiexec"),
     JobVariable("MPI_LOCALRANKID", "local rank", "MPICH's or Intel MPI's mpiexec"),
     JobVariable("SLURM_LOCALID", "local rank", "srun"),
+    JobVariable("PMI_HOSTNAME", "node", "MPICH's mpiexec (a simulated node's name too)"),
+    JobVariable("SLURMD_NODENAME", "node", "srun (its slurmd's)"),
 )
 
 
@@ -315,19 +325,15 @@ _VERSION = re.compile(r"\d+\.\d+")
 
 
 def library_kind(version: str) -> str:
-    """The MPI library that ``MPI.Get_library_version()`` describes: ``"mpich"``,
-    ``"openmpi"``, ``"intelmpi"`` or ``"other"`` (hydra starts MPICH's ranks, ``openmpi``
-    Open MPI's, ``intelmpi`` Intel's; srun any built with its PMI).
+    """The MPI library that ``MPI.Get_library_version()`` describes (its row's
+    :attr:`Kind.mpi`): ``"mpich"``, ``"openmpi"``, ``"intelmpi"`` or ``"other"`` (hydra starts
+    MPICH's ranks, ``openmpi`` Open MPI's, ``intelmpi`` Intel's; srun any built with its PMI).
 
     Example::
 
         library_kind("Open MPI v5.0.11, package: ...")   # 'openmpi'
     """
-    for kind, pattern in (("intelmpi", r"Intel\(R\) MPI"), ("openmpi", r"Open MPI"),
-                          ("mpich", r"MPICH|MVAPICH")):
-        if re.search(pattern, version):
-            return kind
-    return "other"
+    return next((row.mpi for row in KINDS.values() if re.search(row.library, version)), "other")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -28,7 +28,7 @@ __all__ = ["MODES", "NEEDED", "FLAGS", "check_mode", "choose", "raising", "unsup
 MODES = ("abort", "raise")
 #: What Open MPI 5's ``mpiexec`` is given to let survivors go on (the launcher table's, which
 #: says why each): ULFM, the TCP transport, no fence at the start of MPI_Finalize.
-FLAGS = KINDS["openmpi"].survivors
+FLAGS = next(row.survivors for row in KINDS.values() if row.survivors)
 NEEDED = FLAGS[:5]   # ULFM and the TCP transport: what the refusal names
 
 _raising = False   # this process's mode, set by init()
@@ -49,12 +49,11 @@ def unsupported(library_version: str) -> str:
               f"mpi4py >= 4.1, started with `mpiexec {' '.join(NEEDED)}` (or python -m "
               f"cupycomm.run --survivors)")
     from mpi4py import MPI
-    kind = library_kind(library_version)
+    row = next(row for row in KINDS.values() if row.mpi == library_kind(library_version))
     if not hasattr(MPI.Comm, "Revoke"):
         return f"{needed}; this mpi4py ({MPI.Get_version()}) has no Comm.Revoke"
-    if kind != "openmpi":
-        name = {"mpich": "MPICH", "intelmpi": "Intel MPI"}.get(kind, "this MPI")
-        return f"{needed}; {name} has none ({library_version.splitlines()[0][:60]!r})"
+    if not row.survivors:
+        return f"{needed}; {row.mpi_name} has none ({library_version.splitlines()[0][:60]!r})"
     major = re.search(r"v(\d+)\.", library_version)
     if major is None or int(major.group(1)) < 5:
         return f"{needed}; this is {library_version.splitlines()[0][:40]!r}"

@@ -25,9 +25,8 @@ __all__ = ["Launched", "run_mpiexec", "run_job", "start_mpiexec", "kill", "launc
            "no_auto_cleanup", "simulated_nodes", "SIMULATES_NODES"]
 
 #: The kinds of launcher (:attr:`cupycomm.run.launchers.Launcher.kind`) that can simulate nodes
-#: (Intel MPI's hydra, given made-up host names, fails: "Unable to run bstrap_proxy on
-#: node0").
-SIMULATES_NODES = ("hydra",)
+#: (:attr:`cupycomm.run.launchers.Kind.simulates_nodes`).
+SIMULATES_NODES = tuple(kind for kind, row in launchers.KINDS.items() if row.simulates_nodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +269,7 @@ def simulated_nodes(*ranks_per_node: int, mpiexec: Optional[str] = None) -> List
         raise ValueError(f"simulated_nodes: ranks_per_node must be numbers of ranks >= 1, "
                          f"got {ranks_per_node!r}")
     launcher = launchers.find(mpiexec)
-    if launcher.kind not in SIMULATES_NODES:
+    if not launchers.KINDS[launcher.kind].simulates_nodes:
         raise RuntimeError(f"simulated_nodes: {launcher.executable} ({launcher.kind}) cannot "
                            f"simulate nodes; MPICH's hydra can (Intel MPI's fails on made-up "
                            f"host names)")

@@ -1,7 +1,8 @@
-"""Docs generated from the code, so that they cannot drift: the dtype x op table, the table of
-calls and the environment variables (``python -m cupycomm.tools.docs`` prints them)."""
+"""Docs generated from the code, so that they cannot drift: the dtype x op table, the calls,
+the variables and the launchers (``python -m cupycomm.tools.docs`` prints them)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Type, Union
 
 import numpy as np
@@ -11,6 +12,7 @@ from .._dtypes import DTYPES, ReduceOp
 from .._env import VARIABLES
 from ..backends.mpi import MPIBackend
 from ..backends.nccl import NcclBackend
+from ..run.launchers import KINDS, Kind
 
 
 def _backend_cell(backend: Union[Type[MPIBackend], Type[NcclBackend]], dtype: np.dtype) -> str:
@@ -58,5 +60,19 @@ def variable_table() -> str:
     return "\n".join(lines)
 
 
+def launcher_table() -> str:
+    """``cupycomm.run.launchers.KINDS`` as a Markdown table: a column a kind, a line a field."""
+    def cell(value: object) -> str:
+        items = value if isinstance(value, tuple) else (getattr(value, "name", value),)
+        said = " ".join(f"`{i}`".replace("|", "\\|") for i in items if i and i != "(?!)")
+        return "yes" if value is True else said or "-"
+    lines = ["| | " + " | ".join(f"`{kind}`" for kind in KINDS) + " |",
+             "|---" * (len(KINDS) + 1) + "|"]
+    lines += [f"| `{field.name}` | " + " | ".join(cell(getattr(row, field.name))
+                                                  for row in KINDS.values()) + " |"
+              for field in dataclasses.fields(Kind)]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(dtype_table(), call_table(), variable_table(), sep="\n\n")
+    print(dtype_table(), call_table(), variable_table(), launcher_table(), sep="\n\n")

@@ -4,8 +4,11 @@ The table's rows are checked against fake launchers (each prints what the real o
 --version), and the environment rules against the launcher of this environment itself: a
 variable it gives a rank must be dropped, one the user had must be kept.
 """
+import ast
+import dataclasses
 import json
 import os
+import pathlib
 import stat
 import subprocess
 import sys
@@ -15,6 +18,8 @@ import pytest
 from cupycomm.run import launchers
 from cupycomm.run.launchers import Launcher, find, library_kind
 from cupycomm.testing import launch_environment, run_mpiexec
+
+PACKAGE = pathlib.Path(launchers.__file__).parent.parent
 
 VERSIONS = {   # what each launcher prints to --version (first lines, as measured)
     "hydra": "HYDRA build details:\n    Version:                                 4.3.2\n",
@@ -207,12 +212,46 @@ def test_a_rank_of_any_launcher_is_told_from_a_process_started_on_its_own(given)
     assert launchers.started_by_a_launcher({**own, **given})
 
 
-def test_library_kind_names_each_mpi():
-    assert library_kind("MPICH Version:\t4.3.2\nMPICH Release date: ...") == "mpich"
-    assert library_kind("Open MPI v5.0.11, package: Open MPI ...") == "openmpi"
-    assert library_kind("Intel(R) MPI Library 2021.18 for Linux* OS\n") == "intelmpi"
-    assert library_kind("MVAPICH Version 3.0") == "mpich"
-    assert library_kind("Cray MPI") == "other"
+LIBRARIES = {   # what each MPI's MPI.Get_library_version() says (first lines)
+    "mpich": ["MPICH Version:\t4.3.2\nMPICH Release date: ...", "MVAPICH Version 3.0"],
+    "openmpi": ["Open MPI v5.0.11, package: Open MPI ..."],
+    "intelmpi": ["Intel(R) MPI Library 2021.18 for Linux* OS\n"],
+    "other": ["Cray MPI"],
+}
+
+
+@pytest.mark.parametrize("mpi", sorted(LIBRARIES))
+def test_library_kind_names_each_mpi(mpi):
+    assert [library_kind(said) for said in LIBRARIES[mpi]] == [mpi] * len(LIBRARIES[mpi])
+
+
+def test_a_new_launcher_or_mpi_is_a_row_and_its_test():
+    """The fake --version and library outputs above cover every row, each field is set by a
+    row and read from one by the code, and each row has what its fields need."""
+    assert set(launchers.KINDS) == set(VERSIONS)
+    assert {row.mpi for row in launchers.KINDS.values()} - {""} == set(LIBRARIES)
+    read = {node.attr for path in PACKAGE.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+            and any(word in ast.unparse(node.value) for word in ("row", "KINDS"))}
+    for field in dataclasses.fields(launchers.Kind):
+        assert field.name in read, f"Kind.{field.name}: no module reads it"
+        assert any(getattr(row, field.name) != field.default
+                   for row in launchers.KINDS.values()), f"Kind.{field.name}: no row sets it"
+    for kind, row in launchers.KINDS.items():
+        assert bool(row.mpi) == bool(row.mpi_name), kind
+        assert (row.library == "(?!)") == (row.mpi in ("", "other")), kind
+        assert bool(row.own_failure) == (row.says_killed != "(?!)"), kind   # both read output
+
+
+def test_no_module_but_the_table_names_a_kind():
+    """What cupycomm knows of a launcher or an MPI is its row: no other module of the package
+    names a kind (a dict keyed by kinds, a comparison with one)."""
+    kinds = set(launchers.KINDS) | {row.mpi for row in launchers.KINDS.values()} - {""}
+    named = [f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}"
+             for path in PACKAGE.rglob("*.py") if path != pathlib.Path(launchers.__file__)
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and node.value in kinds]
+    assert not named, f"kinds named outside cupycomm/run/launchers.py's KINDS: {named}"
 
 
 @pytest.mark.parametrize("kind", ["hydra", "openmpi"])
