@@ -1,33 +1,12 @@
 """``python -m cupycomm.run``: start an MPI job with the launcher at hand, forward Ctrl-C and
 SIGTERM to it, and exit with a status that never lies.
 
-A launcher's exit status can say 0 for a job that lost a rank (MPICH's hydra, when a rank
-calls ``os._exit(0)``). So the job gets a directory of its own (``CUPYCOMM_RUN_DIR``), where
-each rank's ``init()`` records how it ended (:mod:`cupycomm.run.exit_records`); after the job,
-every rank must have recorded its end, or the status is non-zero and one line on stderr says
-which rank did not finish and why. Processes that called ``init()`` in a world of another
-size (singletons: srun without ``--mpi=pmi2``, an ``mpiexec`` of another MPI) leave stray
-records, and make the status non-zero whatever the launcher said; only a program that never
-calls ``init()`` keeps the launcher's status. The directory is held by its descriptor
-(:class:`~cupycomm.run.exit_records.JobDirectory`): one swapped in under its name is never
-read. It is removed afterwards.
-
-One failure is the launcher's and not the job's: MPICH's hydra with ``-disable-auto-cleanup``
-on several nodes signals the other nodes' proxies at each rank's exit, and fails (status 255,
-"unable to send SIGUSR1 downstream") when one of them has just exited, after every rank
-finished. Its stdout and stderr pass through here, so a job whose every rank recorded its
-end and whose launcher said that ends 0, with a line saying so; there hydra also says which
-signal ended a rank ("Killed (signal 9)"), where its status is the bare number (9).
-
-The job is started as :class:`~cupycomm.run.launchers.Launcher` says, leaving the ending of a
-failed job to cupycomm (hydra: ``-disable-auto-cleanup``; Open MPI: ``--oversubscribe`` past
-the cores), in a session of its own: SIGINT and SIGTERM reach it once, from here (the
-handlers are installed before the launcher starts; a signal that arrives while it starts is
-forwarded as soon as it has a pid); a second signal, or a job still there 10 s after the
-first, is killed (srun first with SIGTERM, which gives its allocation back). The status is
-then 128 + the signal's number, as a shell's. The launcher, and so the ranks, start with
-SIGPIPE ignored, as Python runs: a write to a pipe or socket whose reader is gone fails with
-EPIPE instead of killing the writer.
+Every rank's ``init()`` records how it ended in the job's directory
+(:mod:`cupycomm.run.exit_records`): a rank that recorded no end, or processes in a world of
+another size, make the status non-zero whatever the launcher said, and one line on stderr
+says which rank and why. SIGINT and SIGTERM are forwarded once; a second, or a job still there
+10 s later, is killed (status 128 + the signal). Why, and hydra's own failures:
+docs/internals.md, "run/job.py".
 
 Example::
 

@@ -8,9 +8,8 @@ raises :class:`~cupycomm.errors.PeerLost` on every survivor; ``comm.agree(flag)`
 
 - :mod:`.policy`: the process's mode; :mod:`.lost`: MPI's errors turned into PeerLost;
 - :mod:`.state`: one communicator's lost peers, the agreement, its shrunk MPI successor;
-- :mod:`.grow`: the MPI side of ``comm.grow(n)`` (the Communicator shrinks itself);
-- :mod:`.committed`, :mod:`.resilient`: ``cupycomm.State`` and ``cupycomm.resilient``;
-- :mod:`.numbering`: the job's world ranks, kept across grow().
+- :mod:`.grow`: the MPI side of ``comm.grow(n)``; :mod:`.numbering`: the job's world ranks;
+- ``committed``, ``resilient``: :class:`cupycomm.State` and :func:`cupycomm.resilient`.
 
 Nothing is imported here: :mod:`.policy` is read by tools that must not start MPI.
 """

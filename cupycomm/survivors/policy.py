@@ -1,15 +1,9 @@
 """What losing a peer does in this process (``init(on_peer_loss=)``), and whether the MPI can
 go on without one.
 
-``"abort"`` (the default): a lost peer ends the whole job, named (the watchdog, the abort
-handler; ``cupycomm.faults``). ``"raise"``: the collectives that the lost peer would block
-raise :class:`~cupycomm.errors.PeerLost` on every survivor, which may then
-``comm.shrink()`` and go on. That needs MPI's fault tolerance (ULFM), which only Open MPI 5
-started with ``mpiexec --with-ft ulfm`` gives: under MPICH, mpi4py's ``Shrink`` is a plain
-``Dup``, ``Get_failed`` is always empty and ``Revoke`` is refused as not implemented (so the
-methods' presence proves nothing); Open MPI without ``--with-ft ulfm`` accepts ``Revoke`` but
-ends the job on a failure. The mode is the process's: an ``init()`` that names one sets
-it, the communicators made from then on follow it.
+``"abort"`` (the default): a lost peer ends the whole job, named. ``"raise"``: survivors
+get :class:`~cupycomm.errors.PeerLost` and may ``comm.shrink()``; that needs ULFM, which only
+Open MPI 5 under ``mpiexec --with-ft ulfm`` gives (docs/internals.md, "survivors/policy.py").
 
 Example::
 
