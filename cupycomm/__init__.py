@@ -6,6 +6,7 @@ collectives on NumPy arrays (through MPI) and CuPy arrays (through NCCL).
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any, List
 
 from .errors import (CollectiveMismatch, CollectiveTimeout, CommClosedError, CommShrunkError,
@@ -39,6 +40,11 @@ _HOMES = {"init": "_init", "Communicator": "comm.communicator",
           "devices": "devices", "prefetch": "devices", "Work": "work",
           "resilient": "survivors.resilient", "State": "survivors.committed",
           "joined_late": "survivors.numbering"}
+
+
+if os.environ.get("CUPYCOMM_RUN_DIR"):   # a rank of cupycomm.run: an exception before init()
+    from .run import exit_records as _exit_records   # is recorded (no MPI started here)
+    _exit_records.watch_before_init()
 
 
 def __getattr__(name: str) -> Any:

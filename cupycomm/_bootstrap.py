@@ -44,6 +44,13 @@ def node_name() -> str:
                  if os.environ.get(name)), socket.gethostname())
 
 
+def launcher_number(says: str) -> Optional[int]:
+    """The number the launcher gave this process in one of its variables that say ``says``
+    (``"rank"``, ``"size"``), before MPI is started; None without one."""
+    return next((int(os.environ[name]) for name in launchers.job_variables(says)
+                 if os.environ.get(name, "").strip().isdigit()), None)
+
+
 _local_rank_checked = False
 
 

@@ -26,8 +26,8 @@ from .. import _bootstrap, _env
 from .. import _private as private
 from ..errors import SharedFileRefused
 
-__all__ = ["start", "record", "note_survived", "JobDirectory", "RUNNING", "ENDED", "RAISED",
-           "ABORTED"]
+__all__ = ["start", "record", "note_survived", "watch_before_init", "JobDirectory", "RUNNING",
+           "ENDED", "RAISED", "ABORTED"]
 
 RUNNING, ENDED, RAISED, ABORTED = "running", "ended", "raised", "aborted"
 
@@ -55,6 +55,33 @@ def start() -> None:
     record(RUNNING)
     atexit.register(_at_exit)
     _record_uncaught()
+
+
+def watch_before_init() -> None:
+    """Under ``cupycomm.run``, record an exception that ends this process before ``init()``,
+    as ``raised`` with ``before_init`` set (``import cupycomm`` calls it there): where MPI
+    had started, ``MPI_Finalize`` keeps such a rank alive while its peers wait in ``init()``,
+    so no process of it is seen gone (:mod:`.ranks`)."""
+    directory = os.environ.get("CUPYCOMM_RUN_DIR")
+    rank = _bootstrap.launcher_number("rank")
+    if not directory or rank is None:
+        return
+    previous, me = sys.excepthook, os.getpid()
+
+    def record_before_init(kind, value, tb):
+        # init() has not written this rank's record; a forked child is not the rank
+        if _path is None and os.getpid() == me:
+            text = json.dumps({"rank": rank, "size": _bootstrap.launcher_number("size"),
+                               "node": _bootstrap.node_name(), "host": socket.gethostname(),
+                               "pid": os.getpid(), "state": RAISED, "before_init": True,
+                               "detail": f"{kind.__name__}: {value}", "survived": []})
+            try:
+                private.replace_file(_record_path(directory, rank), text)
+            except (OSError, SharedFileRefused):
+                pass   # the job's end still names this rank: its peers wait until the timeout
+        previous(kind, value, tb)
+
+    sys.excepthook = record_before_init
 
 
 def record(state: str, detail: str = "") -> None:

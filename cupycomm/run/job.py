@@ -207,7 +207,9 @@ class _Forwarder:
                 before, gone = gone, ([rank for rank in here.gone() if records[rank] is None]
                                       if None in records else [])   # else: no /proc to read
                 self.before_init = [(rank, here.pids.get(rank)) for rank in gone
-                                    if rank in before]
+                                    if rank in before] + [
+                    (r["rank"], r["pid"]) for r in records   # raised, alive in MPI_Finalize
+                    if r is not None and r.get("before_init") and r["rank"] not in gone]
                 if (self.died or self.before_init) and not self._survivors:
                     lost_at = now
             if (self._arrived > 1 or (forwarded_at is not None and now - forwarded_at > GRACE)
@@ -321,8 +323,11 @@ def verdict(records: Sequence[Optional[dict]], returncode: int, launcher: str = 
         others = [rank for rank, _ in before_init[1:]]
         where = socket.gethostname() + (f", pid {pid}" if pid is not None else "")
         too = f"; {_ranks(others)} too" if others else ""
+        said = records[gone] if gone < len(records) else None
+        how = (f"raised {said['detail']}" if said is not None and said.get("before_init")
+               else "ended")
         return status or 1, (
-            f"cupycomm.run: rank {gone} (host {where}) ended before calling cupycomm.init() "
+            f"cupycomm.run: rank {gone} (host {where}) {how} before calling cupycomm.init() "
             f"(its output says why), while the other ranks waited for it (in MPI_Init or "
             f"init()){too}; {exited}")
     written = [r for r in records if r is not None]

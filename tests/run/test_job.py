@@ -644,6 +644,34 @@ def test_a_rank_that_fails_before_init_ends_the_job_within_seconds(tmp_path):
     no_job_directory(tmp_path)
 
 
+AFTER_MPI_BEFORE_INIT = """
+import numpy as np, cupycomm
+from mpi4py import MPI   # MPI_Init: at exit, this rank waits in MPI_Finalize for the others
+if MPI.COMM_WORLD.Get_rank() == 1:
+    open("/nonexistent/shard-1.npy")
+cupycomm.init().all_reduce(np.ones(2))
+"""
+
+
+def test_a_rank_that_raises_after_mpi_init_but_before_cupycomms_is_named_within_seconds(
+        tmp_path):
+    """Issue 33: with MPI started (mpi4py imported), a rank that raises before
+    ``cupycomm.init()`` stays alive in MPICH's MPI_Finalize, so no process is seen gone and
+    the others waited in init() until the timeout. A rank that imported cupycomm records
+    the exception that escaped; the parent ends the job at once, naming it."""
+    start = time.monotonic()
+    code, out, err = cupycomm_run(tmp_path, AFTER_MPI_BEFORE_INIT, 3, "--timeout", "60",
+                                  "job.py")
+    assert time.monotonic() - start < 20, out + err
+    assert code != 0, out + err
+    if launchers.find().kind != "openmpi":   # Open MPI's launcher ends such a job itself
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("cupycomm.run: rank 1 (host "), err
+        assert "raised FileNotFoundError" in line and "before calling cupycomm.init()" in line, \
+            line
+    no_job_directory(tmp_path)
+
+
 def test_a_rank_gone_before_init_is_the_first_cause():
     assert launch.verdict([None, None, None], -9, before_init=[(1, None), (2, 42)])[1] \
         .startswith(f"cupycomm.run: rank 1 (host {socket.gethostname()}) ended before calling "
