@@ -61,7 +61,7 @@ def watch_before_init() -> None:
     """Under ``cupycomm.run``, record an exception that ends this process before ``init()``,
     as ``raised`` with ``before_init`` set (``import cupycomm`` calls it there): where MPI
     had started, ``MPI_Finalize`` keeps such a rank alive while its peers wait in ``init()``,
-    so no process of it is seen gone (:mod:`.ranks`)."""
+    so no process of it is seen gone (``cupycomm.run.ranks``)."""
     directory = os.environ.get("CUPYCOMM_RUN_DIR")
     rank = _bootstrap.launcher_number("rank")
     if not directory or rank is None:
