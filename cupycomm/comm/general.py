@@ -43,18 +43,18 @@ class GeneralPath:
     # -- collectives ------------------------------------------------------------------------------
     def all_reduce(self, x: Any, op: Any, out: Any, async_op: bool, stream: Any) -> Any:
         """``Communicator.all_reduce``."""
-        b, x, wire = self._route("all_reduce", "x", x, op, writes=out is None, stream=stream)
+        b, x, spec = self._route("all_reduce", "x", x, op, writes=out is None, stream=stream)
         if out is None:
             out = x
         else:
             out = self._router.check_out("all_reduce", "out", b, out, x, (x.shape,))
             out = self._router.check_apart("all_reduce", "out", b, out, x, in_place=True)
-        return b.all_reduce(x, out, wire, async_op, stream)
+        return b.all_reduce(x, out, spec, async_op, stream)
 
     def reduce(self, x: Any, root: int, op: Any, out: Any, async_op: bool,
                stream: Any) -> Any:
         """``Communicator.reduce``."""
-        b, x, wire = self._route("reduce", "x", x, op, writes=out is None, stream=stream)
+        b, x, spec = self._route("reduce", "x", x, op, writes=out is None, stream=stream)
         self._checks.check_rank("reduce", "root", root)
         if out is not None:   # checked wherever given, so that every rank fails alike
             out = self._router.check_out("reduce", "out", b, out, x, (x.shape,))
@@ -63,32 +63,32 @@ class GeneralPath:
             out = None
         elif out is None:
             out = x
-        return b.reduce(x, out, wire, root, async_op, stream)
+        return b.reduce(x, out, spec, root, async_op, stream)
 
     def broadcast(self, x: Any, root: int, async_op: bool, stream: Any) -> Any:
         """``Communicator.broadcast``."""
-        b, x, wire = self._route("broadcast", "x", x, writes=True, stream=stream)
+        b, x, spec = self._route("broadcast", "x", x, writes=True, stream=stream)
         self._checks.check_rank("broadcast", "root", root)
-        return b.broadcast(x, wire, root, async_op, stream)
+        return b.broadcast(x, spec, root, async_op, stream)
 
     def all_gather(self, x: Any, out: Any, async_op: bool, stream: Any) -> Any:
         """``Communicator.all_gather``."""
-        b, x, wire = self._route("all_gather", "x", x, stream=stream)
+        b, x, spec = self._route("all_gather", "x", x, stream=stream)
         shapes = self._joined[x.shape]
         if out is None:
-            return b.all_gather(x, b.empty(shapes[0], x.dtype, stream), wire, async_op, stream)
+            return b.all_gather(x, b.empty(shapes[0], x.dtype, stream), spec, async_op, stream)
         if type(out) is not type(x) and isinstance(out, (list, tuple)):
-            return self._layouts.all_gather_list(b, x, wire, out, async_op, stream)
+            return self._layouts.all_gather_list(b, x, spec, out, async_op, stream)
         out = self._router.check_out("all_gather", "out", b, out, x, shapes,
                                      " (size parts shaped like x)")
         self._router.check_apart("all_gather", "out", b, out, x)
-        return b.all_gather(x, out, wire, async_op, stream)
+        return b.all_gather(x, out, spec, async_op, stream)
 
     def reduce_scatter(self, x: Any, op: Any, out: Any, async_op: bool, stream: Any) -> Any:
         """``Communicator.reduce_scatter``."""
         if isinstance(x, (list, tuple)):
             return self._layouts.reduce_scatter_list(x, op, out, async_op, stream)
-        b, x, wire = self._route("reduce_scatter", "x", x, op, stream=stream)
+        b, x, spec = self._route("reduce_scatter", "x", x, op, stream=stream)
         self._checks.check_leading_axis("reduce_scatter", "x", x)
         part = (x.shape[0] // self._size,) + x.shape[1:]
         if out is None:
@@ -97,12 +97,12 @@ class GeneralPath:
             shapes = (part, x.shape[1:]) if x.shape[0] == self._size else (part,)
             out = self._router.check_out("reduce_scatter", "out", b, out, x, shapes)
             self._router.check_apart("reduce_scatter", "out", b, out, x)
-        return b.reduce_scatter(x, out, wire, async_op, stream)
+        return b.reduce_scatter(x, out, spec, async_op, stream)
 
     def all_to_all(self, x: Any, out: Any, in_splits: Optional[Sequence[int]],
                    out_splits: Optional[Sequence[int]], async_op: bool, stream: Any) -> Any:
         """``Communicator.all_to_all``."""
-        b, x, wire = self._route("all_to_all", "x", x, stream=stream)
+        b, x, spec = self._route("all_to_all", "x", x, stream=stream)
         if in_splits is None and out_splits is None:
             self._checks.check_leading_axis("all_to_all", "x", x)
             if out is None:
@@ -110,22 +110,22 @@ class GeneralPath:
             else:
                 out = self._router.check_out("all_to_all", "out", b, out, x, (x.shape,))
                 self._router.check_apart("all_to_all", "out", b, out, x)
-            return b.all_to_all(x, out, wire, async_op, stream)
-        return self._layouts.all_to_all_v(b, x, wire, out, in_splits, out_splits, async_op, stream)
+            return b.all_to_all(x, out, spec, async_op, stream)
+        return self._layouts.all_to_all_v(b, x, spec, out, in_splits, out_splits, async_op, stream)
 
     def scatter(self, x: Any, root: int, out: Any, async_op: bool, stream: Any) -> Any:
         """``Communicator.scatter``."""
-        b, out, wire = self._route("scatter", "out", out, writes=True, stream=stream)
+        b, out, spec = self._route("scatter", "out", out, writes=True, stream=stream)
         self._checks.check_rank("scatter", "root", root)
         if x is not None or self._rank == root:   # checked wherever given: alike on every rank
             x = self._router.check_out("scatter", "x", b, x, out, self._joined[out.shape],
                                        " (size parts shaped like out)", writes=False)
             self._router.check_apart("scatter", "x", b, x, out)
-        return b.scatter(x, out, wire, root, async_op, stream)
+        return b.scatter(x, out, spec, root, async_op, stream)
 
     def gather(self, x: Any, root: int, out: Any, async_op: bool, stream: Any) -> Any:
         """``Communicator.gather``."""
-        b, x, wire = self._route("gather", "x", x, stream=stream)
+        b, x, spec = self._route("gather", "x", x, stream=stream)
         self._checks.check_rank("gather", "root", root)
         shapes = self._joined[x.shape]
         if out is not None:   # checked wherever given, so that every rank fails alike
@@ -136,27 +136,27 @@ class GeneralPath:
             out = None
         elif out is None:
             out = b.empty(shapes[0], x.dtype, stream)
-        return b.gather(x, out, wire, root, async_op, stream)
+        return b.gather(x, out, spec, root, async_op, stream)
 
     # -- point to point ---------------------------------------------------------------------------
     def send(self, x: Any, dst: int, async_op: bool, stream: Any) -> Any:
         """``Communicator.send``."""
         self._checks.check_peer("send", "dst", dst)
-        b, x, wire = self._route("send", "x", x, collective=False, stream=stream)
-        return b.send(x, wire, dst, async_op, stream)
+        b, x, spec = self._route("send", "x", x, collective=False, stream=stream)
+        return b.send(x, spec, dst, async_op, stream)
 
     def recv(self, buf: Any, src: int, async_op: bool, stream: Any) -> Any:
         """``Communicator.recv``."""
         self._checks.check_peer("recv", "src", src)
-        b, buf, wire = self._route("recv", "buf", buf, collective=False, writes=True,
+        b, buf, spec = self._route("recv", "buf", buf, collective=False, writes=True,
                                    stream=stream)
-        return b.recv(buf, wire, src, async_op, stream)
+        return b.recv(buf, spec, src, async_op, stream)
 
     def sendrecv(self, x: Any, dst: int, buf: Any, src: int, async_op: bool,
                  stream: Any) -> Any:
         """``Communicator.sendrecv``."""
         self._checks.check_rank("sendrecv", "dst", dst)
         self._checks.check_rank("sendrecv", "src", src)
-        b, x, wire = self._route("sendrecv", "x", x, collective=False, stream=stream)
+        b, x, spec = self._route("sendrecv", "x", x, collective=False, stream=stream)
         buf = self._router.check_kind("sendrecv", "buf", b, buf, x)
-        return b.sendrecv(x, wire, dst, buf, src, async_op, stream)
+        return b.sendrecv(x, spec, dst, buf, src, async_op, stream)

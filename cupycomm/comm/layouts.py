@@ -24,8 +24,8 @@ class Layouts:
     Example (on 2 ranks, inside Communicator)::
 
         layouts = Layouts(checks, router, JoinedShapes(2))
-        b, x, wire_type = router.route("all_gather", "x", numpy.array([comm.rank]))
-        layouts.all_gather_list(b, x, wire_type, [numpy.empty(1, int)] * 2, False, None)
+        b, x, spec = router.route("all_gather", "x", numpy.array([comm.rank]))
+        layouts.all_gather_list(b, x, spec, [numpy.empty(1, int)] * 2, False, None)
     """
 
     def __init__(self, checks: Checks, router: Router, joined: JoinedShapes) -> None:
@@ -33,13 +33,13 @@ class Layouts:
         self._router = router
         self._joined = joined
 
-    def all_gather_list(self, b: Any, x: Any, wire_type: Any, out: Sequence, async_op: bool,
+    def all_gather_list(self, b: Any, x: Any, spec: Any, out: Sequence, async_op: bool,
                         stream: Any) -> Any:
         """all_gather into a list of ``size`` arrays: into one array, then copied to them."""
         out = self._router.check_parts("all_gather", "out", b, out, x)
         whole = b.empty(self._joined[x.shape][0], x.dtype, stream)
         parts = [whole[j, ...] for j in range(self._checks.size)]   # views, 0-d ones too
-        return b.all_gather(x, whole, wire_type, async_op, stream, list(zip(out, parts)))
+        return b.all_gather(x, whole, spec, async_op, stream, list(zip(out, parts)))
 
     def reduce_scatter_list(self, xs: Sequence, op: Any, out: Any, async_op: bool,
                             stream: Any) -> Any:
@@ -48,7 +48,7 @@ class Layouts:
         if not xs:
             raise checks.fail(ValueError, name, f"x is an empty list, expected {checks.size} "
                                                 f"arrays (one per rank)")
-        b, first, wire_type = router.route(name, "x[0]", xs[0], op, stream=stream)
+        b, first, spec = router.route(name, "x[0]", xs[0], op, stream=stream)
         xs = router.check_parts(name, "x", b, xs, first, writes=False)
         if out is None:
             out = b.empty(first.shape, first.dtype, stream)
@@ -56,9 +56,9 @@ class Layouts:
             out = router.check_out(name, "out", b, out, first, (first.shape,))
         whole = b.empty((checks.size,) + first.shape, first.dtype, stream)
         pack = [(whole[j, ...], part) for j, part in enumerate(xs)]   # copied by the backend
-        return b.reduce_scatter(whole, out, wire_type, async_op, stream, pack)
+        return b.reduce_scatter(whole, out, spec, async_op, stream, pack)
 
-    def all_to_all_v(self, b: Any, x: Any, wire_type: Any, out: Any,
+    def all_to_all_v(self, b: Any, x: Any, spec: Any, out: Any,
                      in_splits: Optional[Sequence[int]], out_splits: Optional[Sequence[int]],
                      async_op: bool, stream: Any) -> Any:
         """all_to_all with uneven parts (``in_splits`` or ``out_splits`` given)."""
@@ -82,7 +82,7 @@ class Layouts:
         else:
             received, out = self._received_splits(b, x, sent, out, stream)
         row = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
-        return b.all_to_all_v(x, out, wire_type, [n * row for n in sent],
+        return b.all_to_all_v(x, out, spec, [n * row for n in sent],
                               [n * row for n in received], async_op, stream)
 
     def _received_splits(self, b: Any, x: Any, sent: List[int], out: Any,

@@ -25,10 +25,10 @@ from ..faults.watchdog import Tracker
 __all__ = ["MOVES", "Route", "Router"]
 
 Route = Tuple[Collectives, Any, Any]
-"""(backend, array, wire type): the backend that takes the array, the array as NumPy/CuPy
-(a view of a foreign one; the backend is then a :class:`~cupycomm.comm.foreign.Foreign` that maps
-results back), and the backend's type for its dtype (and op): ``reductions[dtype][op]``, or
-``movements[dtype]`` without an op, which the backend's methods take as ``spec``."""
+"""(backend, array, spec): the backend that takes the array, the array as NumPy/CuPy (a view
+of a foreign one; the backend is then a :class:`~cupycomm.comm.foreign.Foreign` that maps
+results back), and the backend's spec for its dtype (and op), which its methods take:
+``reductions[dtype][op]``, or ``movements[dtype]`` without an op."""
 
 #: :meth:`Router.route`'s ``op`` for a call that moves data (not None, which a user may pass
 #: as a reduction's op, to be refused by name as any other unknown op).
@@ -48,7 +48,7 @@ class Router:
 
         router = Router(mpi_comm, tracker, Checks(rank, size), device=None, device_rank=0,
                         device_module=None)
-        backend, x, wire_type = router.route("all_reduce", "x", numpy.ones(2), "sum")
+        backend, x, spec = router.route("all_reduce", "x", numpy.ones(2), "sum")
         backend is router.host   # True
     """
 
@@ -82,14 +82,14 @@ class Router:
         elif not x.flags.c_contiguous or x.device.id != b.device_id:
             b, x = self._route_unusual(name, arg, x, collective, writes)
         try:
-            wire_type = b.movements[x.dtype] if op is MOVES else b.reductions[x.dtype][op]
+            spec = b.movements[x.dtype] if op is MOVES else b.reductions[x.dtype][op]
         except (KeyError, TypeError):
             if op is MOVES:
                 raise self._checks.dtype_error(name, arg, x) from None
             raise self._checks.reduction_error(name, arg, b, x, op) from None
         if stream is not None:
             self._checks.check_stream(name, b, stream)
-        return b, x, wire_type
+        return b, x, spec
 
     def _route_unusual(self, name: str, arg: Any, x: Any, collective: bool,
                        writes: bool) -> Tuple[Collectives, Any]:
