@@ -149,11 +149,9 @@ class Marks(Protocol):
 class HostBackend(Collectives, HostCompletion, Protocol):
     def barrier(self, async_op: bool = False) -> Any: ...
 
-    def prepare(self, name: str, dtype: Any, reduces: bool = False,
-                async_op: bool = False) -> Any:
-        """Collective ``name``'s call for ``dtype`` (a reduction's: a dict op -> call),
-        blocking or started (``async_op``), made once and kept by the Communicator as its
-        fast path; None where the general path must run."""
+    # The calls made so far (by the general path), blocking and started: what the
+    # Communicator's common case looks up.
+    calls: Tuple[Any, Any]
 
     def gather_ints(self, values: Sequence[int], label: str) -> Any:
         """Every rank's ``values`` (a row each), blocking: control traffic that sizes or

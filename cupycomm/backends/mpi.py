@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import collections
 from functools import partial
-from types import MappingProxyType
-from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -22,7 +21,7 @@ from ..survivors.lost import peer_lost
 from ..work import HostWork
 from . import HostBackend, Marks
 
-__all__ = ["MPIBackend", "PreparedCalls", "PREPARED", "OP_NAMES"]
+__all__ = ["MPIBackend", "Calls", "Spec"]
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
@@ -54,32 +53,38 @@ def _emulated_op(dtype: np.dtype, carrier: np.dtype, op: ReduceOp) -> MPI.Op:
     return MPI.Op.Create(reduce, commute=True)
 
 
-class Spec(tuple):
-    """A reduction's spec: (MPI datatype, MPI op, divide by size afterwards, the view to hand
-    MPI). Hashed by identity (mpi4py's Datatype and Op are unhashable): the tables below make
-    each once for the life of the process, and the backend finds its calls by it."""
+class Spec(NamedTuple):
+    """A reduction's spec: what MPI is handed, and the key of its call in a :class:`Calls`
+    table (under the dtype): the op's string, sum's for ``"avg"`` (the same MPI call), or for
+    an op of ours (a dtype MPI takes as a carrier view) a tuple, which no op string is, so
+    that the Communicator's common case never finds a call that needs a view."""
 
-    __slots__ = ()
-    __hash__ = object.__hash__
+    datatype: Any            # the MPI datatype
+    op: Any                  # the MPI op
+    avg: bool                # divided by the size afterwards
+    view: Optional[np.dtype]   # the carrier dtype the buffers are viewed as, or None
+    key: Any
 
 
 def _tables() -> Tuple[Dict[np.dtype, Optional[np.dtype]], Dict[np.dtype, Dict[ReduceOp, Spec]]]:
     """(movements, reductions): dtype -> the view to hand MPI (None: the array itself);
-    dtype -> requested op -> its :data:`Spec`."""
+    dtype -> requested op -> its :class:`Spec`."""
     movements: Dict[np.dtype, Optional[np.dtype]] = {}
     reductions: Dict[np.dtype, Dict[ReduceOp, Spec]] = {}
     for dtype, row in DTYPES.items():
-        native = row.mpi_type is not None and _exports_buffer(dtype)
         movements[dtype] = None if _exports_buffer(dtype) else row.carrier
-        if native:
-            reductions[dtype] = {op: Spec((row.mpi_type, _MPI_OPS[applied],
-                                           applied is ReduceOp.AVG, None))
-                                 for op, applied in row.ops.items()}
+        if row.mpi_type is not None and _exports_buffer(dtype):
+            view, datatype = None, row.mpi_type
         elif row.carrier is not None:
-            carrier_type = from_numpy_dtype(row.carrier)
-            reductions[dtype] = {op: Spec((carrier_type, _emulated_op(dtype, row.carrier, applied),
-                                           applied is ReduceOp.AVG, row.carrier))
-                                 for op, applied in row.ops.items()}
+            view, datatype = row.carrier, from_numpy_dtype(row.carrier)
+        else:
+            continue
+        specs = reductions[dtype] = {}
+        for op, applied in row.ops.items():
+            avg = applied is ReduceOp.AVG
+            key = "sum" if avg else op.value   # (avg's call is sum's)
+            specs[op] = (Spec(datatype, _MPI_OPS[applied], avg, None, key) if view is None
+                         else Spec(datatype, _emulated_op(dtype, view, applied), avg, view, (key,)))
     return movements, reductions
 
 
@@ -93,10 +98,11 @@ _MOVEMENTS, _REDUCTIONS = _tables()
 # frame, which makes the watchdog's marks (see ``Marks`` in backends/__init__.py: ``seq``
 # counts the call, one slot of the flight recorder's ring names it, ``busy`` names it while
 # the mpi4py call runs) and the call. A blocking call returns None and ``run`` its result; a
-# started one returns a request, which ``started`` turns into a HostWork. The prepared calls
-# and the general path (MPIBackend's methods) both run these. A helper for the marks would
-# cost every call a second frame: each body writes them alike, and
-# tests/faults/test_watchdog.py checks every prepared one. Their ``except`` clause costs
+# started one returns a request, which ``started`` turns into a HostWork. MPIBackend makes
+# each once (``_call``), into its :class:`Calls`, which the general path (MPIBackend's
+# methods) and the Communicator's common case both run. A helper for the marks would cost
+# every call a second frame: each body writes them alike, and tests/faults/test_watchdog.py
+# checks those the common case runs. Their ``except`` clause costs
 # nothing until an MPI call fails (CPython 3.11's exception tables): then a lost peer
 # becomes PeerLost (cupycomm.survivors.lost) where the process survives losses.
 Started = Callable[[Any, Any, tuple, str], HostWork]
@@ -266,8 +272,7 @@ def _no_buffer(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
     return run
 
 
-# Each call's shape and its blocking and nonblocking mpi4py methods; the prepared calls are
-# those the Communicator looks up (PREPARED).
+# Each call's shape and its blocking and nonblocking mpi4py methods.
 _CALLS: Dict[str, Tuple[Callable[..., Callable], str, str]] = {
     "all_reduce": (_reduction, "Allreduce", "Iallreduce"),
     "reduce_scatter": (_reduction, "Reduce_scatter_block", "Ireduce_scatter_block"),
@@ -283,12 +288,6 @@ _CALLS: Dict[str, Tuple[Callable[..., Callable], str, str]] = {
     "sendrecv": (_sendrecv, "Sendrecv", "Isendrecv"),
     "barrier": (_no_buffer, "Barrier", "Ibarrier"),
 }
-PREPARED = ("all_reduce", "reduce_scatter", "reduce", "gather", "scatter", "all_gather",
-            "all_to_all", "broadcast", "sendrecv")
-_REDUCING = ("all_reduce", "reduce_scatter", "reduce")
-OP_NAMES = tuple(op.value for op in ReduceOp)
-"""The op strings, ``"sum"`` first: a reduction's prepared calls have one key for each."""
-_NO_CALLS = MappingProxyType(dict.fromkeys(OP_NAMES))
 _LABELS = {"all_to_all_v": "all_to_all"}   # what the watchdog calls a call, where not its name
 
 
@@ -298,125 +297,32 @@ def _queue(start: Callable, *args: Any) -> tuple:
     return start, args
 
 
-class MadeCalls(dict):
-    """One collective's calls in one mode (blocking, started, or queued in a batch() block) by
-    the spec the route gives (a reduction's :class:`Spec`, a movement's view): made on the
-    first lookup of a spec (``__missing__``, by :meth:`MPIBackend._call`), then one subscript."""
-
-    __slots__ = ("_backend", "_name", "_started", "_label")
-
-    def __init__(self, backend: "MPIBackend", name: str, started: bool) -> None:
-        super().__init__()
-        self._backend = backend
-        self._name = name
-        self._started = started
-        self._label = _LABELS.get(name, name)
-
-    def __missing__(self, spec: Any) -> Callable:
-        datatype, op = (spec[0], spec[1]) if type(spec) is Spec else (_BYTE, None)
-        made = self[spec] = self._backend._call(self._name, self._started, datatype, op,
-                                                self._label)
-        return made
-
-
-def _general_calls(backend: "MPIBackend", started: bool) -> Dict[str, MadeCalls]:
-    """The general path's calls of one mode: each call of ``_CALLS`` -> its
-    :class:`MadeCalls`. :class:`MPIBackend` holds the blocking and started ones, or while a
-    batch() block is open the queued ones, as ``_runs`` (blocking) and ``_started_runs``."""
-    return {name: MadeCalls(backend, name, started) for name in _CALLS}
-
-
 def _viewed(a: Any, view: Any) -> Any:
     """``a`` as the carrier dtype ``view`` (None: as it is; ``a`` None stays None)."""
     return a if view is None or a is None else a.view(view)
 
 
-class PreparedByDtype(dict):
-    """One collective's prepared calls by dtype, blocking or started: a plain dict lookup on
-    the hit path; the first lookup of a dtype makes its calls (``__missing__``) and keeps
-    them, or keeps what says there is none (None; for a reduction, a dict whose every op
-    string in OP_NAMES maps to None), so that every lookup finds an answer in one subscript.
-    While the prepared calls are disabled, a lookup answers "none" and keeps nothing."""
+class Calls:
+    """The calls of one mode (blocking, started, or queued in a batch() block), each made
+    once: an attribute per call of ``_CALLS``, a dict by the dtype MPI is handed, which gives
+    the call (a reduction's: a dict by :attr:`Spec.key` that does). The general path fills it
+    (:meth:`MPIBackend._call`, on a miss); the Communicator's common case reads it,
+    ``calls.all_reduce[x.dtype][op]``, and takes the general path on a KeyError."""
 
-    __slots__ = ("_prepared", "_name", "_reduces", "_async_op")
+    __slots__ = tuple(_CALLS)
 
-    def __init__(self, prepared: "PreparedCalls", name: str, async_op: bool) -> None:
-        super().__init__()
-        self._prepared = prepared
-        self._name = name
-        self._reduces = name in _REDUCING
-        self._async_op = async_op
+    def __init__(self) -> None:
+        for name in _CALLS:
+            setattr(self, name, {})
 
-    def __missing__(self, dtype: Any) -> Any:
-        prepared = self._prepared
-        if not prepared.enabled:
-            return _NO_CALLS if self._reduces else None
-        made = self[dtype] = prepared.backend.prepare(self._name, dtype, self._reduces,
-                                                      self._async_op)
-        return made
-
-
-class PreparedTables:
-    """The prepared calls of each collective in PREPARED, blocking or started, as one
-    attribute each (a :class:`PreparedByDtype`)."""
-
-    __slots__ = PREPARED
-    all_reduce: PreparedByDtype
-    reduce_scatter: PreparedByDtype
-    reduce: PreparedByDtype
-    gather: PreparedByDtype
-    scatter: PreparedByDtype
-    all_gather: PreparedByDtype
-    all_to_all: PreparedByDtype
-    broadcast: PreparedByDtype
-    sendrecv: PreparedByDtype
-
-    def __init__(self, prepared: "PreparedCalls", async_op: bool) -> None:
-        for name in PREPARED:
-            setattr(self, name, PreparedByDtype(prepared, name, async_op))
-
-    def clear(self) -> None:
-        for name in PREPARED:
-            getattr(self, name).clear()
-
-
-class PreparedCalls:
-    """The backend's prepared calls, made on first use and then only looked up, in one
-    subscript chain: ``blocking`` (and ``started``, for async_op) ``.<collective>[dtype]``
-    gives the call, or None; for a reduction, a dict of every op string (OP_NAMES) to the
-    call or None. Disabled (a ``batch()`` block is open, or the communicator closed), the
-    tables are empty and every lookup answers None, so that every call takes the general
-    path.
-
-    Example::
-
-        prepared = PreparedCalls(backend)
-        run = prepared.blocking.all_reduce[numpy.dtype("float32")]["sum"]
-        run(x, x)   # Allreduce(IN_PLACE, [x, MPI.FLOAT], MPI.SUM), watched
-    """
-
-    __slots__ = ("blocking", "started", "enabled", "backend")
-
-    def __init__(self, backend: "MPIBackend") -> None:
-        self.backend = backend
-        self.blocking = PreparedTables(self, False)
-        self.started = PreparedTables(self, True)
-        self.enabled = True
-
-    def disable(self) -> None:
-        self.enabled = False
-        self.blocking.clear()
-        self.started.clear()
-
-    def enable(self) -> None:
-        self.enabled = True
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Dict[Any, Any]: ...
 
 
 class MPIBackend(HostBackend):
     """Collectives on host memory over one MPI communicator (owned by the Communicator).
 
-    Each method views its buffers as MPI takes them and runs the call that
-    :meth:`_call` makes from the call's shape (the same calls the prepared table holds),
+    Each method views its buffers as MPI takes them and runs their call (:meth:`_call`):
     blocking, started for ``async_op``, or queued in a batch() block; then it finishes the
     call (``op="avg"``'s division, all_gather's list parts) or has its Work finish it.
 
@@ -442,26 +348,24 @@ class MPIBackend(HostBackend):
         # Started nonblocking calls, oldest first: they keep their arrays (and requests)
         # alive even if the caller drops the Work, since MPI writes into them until done.
         self._inflight: Deque[HostWork] = collections.deque()
-        self._calls: Dict[tuple, Callable] = {}   # see _call
-        # The general path's calls by spec: blocking and started, or queued in a batch() block.
-        self._direct_runs = (_general_calls(self, False), _general_calls(self, True))
-        self._runs, self._started_runs = self._direct_runs
-        self._queued_runs = _general_calls(self, True)
+        #: The calls made, blocking and started (the Communicator's common case reads them).
+        self.calls = (Calls(), Calls())
+        self._modes = self.calls   # the tables in use: the queued one in a batch() block
+        self._queued_calls = Calls()
 
     # -- the calls, and what finishes one -------------------------------------------------------
-    def _call(self, name: str, started: bool, datatype: Any = _BYTE, op: Any = None,
-              label: str = "") -> Callable:
-        """Collective ``name``'s call (see the shapes above) with ``datatype`` and ``op``:
-        blocking, or started (``started``), or inside a batch() block queued to start when
-        the block ends; made once. ``label`` (default ``name``) is what the watchdog calls
-        it."""
-        # Keyed by identity: mpi4py's Datatype and Op are unhashable, and the tables above
-        # hold the ones passed here for the life of the process.
-        key = (name, started if self._group is None else None, id(datatype), id(op))
+    def _call(self, name: str, started: bool, dtype: Any, spec: Optional[Spec] = None
+              ) -> Callable:
+        """Call ``name`` on buffers of ``dtype`` as MPI takes them (a reduction's with
+        ``spec``): blocking, or started (``started``), or inside a batch() block queued to
+        start when the block ends. Found in the mode's :class:`Calls`, or made there."""
+        calls = getattr(self._modes[started], name)
         try:
-            return self._calls[key]
+            return calls[dtype] if spec is None else calls[dtype][spec.key]
         except KeyError:
             pass
+        if spec is not None:   # a reduction's: under the dtype, by its key
+            calls, dtype = calls.setdefault(dtype, {}), spec.key
         factory, blocking, nonblocking = _CALLS[name]
         keep: Started
         if self._group is not None:
@@ -469,7 +373,9 @@ class MPIBackend(HostBackend):
         else:
             call = getattr(self._comm, nonblocking if started else blocking)
             keep = self._started
-        run = self._calls[key] = factory(call, datatype, op, label or name, self._tracker, keep)
+        datatype, op = (_BYTE, None) if spec is None else spec[:2]
+        run = calls[dtype] = factory(call, datatype, op, _LABELS.get(name, name),
+                                     self._tracker, keep)
         return run
 
     def _started(self, request: Any, result: Any, keep: tuple, label: str) -> HostWork:
@@ -516,40 +422,13 @@ class MPIBackend(HostBackend):
                 dst[...] = src
         return finish
 
-    # -- prepared calls: the Communicator's fast path ---------------------------------------------
-    def prepare(self, name: str, dtype: np.dtype, reduces: bool = False,
-                async_op: bool = False) -> Any:
-        """Collective ``name``'s prepared calls on arrays of ``dtype``, made once and kept by
-        the Communicator (:class:`PreparedCalls`): the call of its shape with the datatype
-        (and op) bound; blocking, or for ``async_op`` started and returning a
-        :class:`~cupycomm.work.HostWork`. For a reduction (``reduces``), a dict op's string
-        -> call. None (a reduction's op: None) where a call needs more (a dtype MPI takes as
-        a carrier view, an average to divide) or the dtype is not valid: the general path
-        (the methods below) does those, and says what is wrong. Arguments, checked by the
-        caller: ``(x, recv)``, ``recv is x`` in place; rooted calls ``(x, recv, root)``,
-        ``recv`` or ``x`` None where the rank does not use it; broadcast ``(x, root)``;
-        sendrecv ``(x, dst, buf, src)``."""
-        if name not in PREPARED:
-            return None
-        if not reduces:
-            if dtype not in _MOVEMENTS or _MOVEMENTS[dtype] is not None:
-                return None
-            return self._call(name, async_op)
-        # Every op's string (a ReduceOp member, a str, finds it as fast), None where it has
-        # no call, so that a lookup misses only on a value that is not an op.
-        calls: Dict[str, Optional[Callable]] = dict.fromkeys(OP_NAMES)
-        for op, (datatype, mpi_op, avg, view) in self.reductions.get(dtype, {}).items():
-            if not avg and view is None:
-                calls[op.value] = self._call(name, async_op, datatype, mpi_op)
-        return calls
-
     # -- collectives: the general path ------------------------------------------------------------
-    # The movement spec, and ``view`` in a reduction's spec, is None for the dtypes MPI takes
-    # as they are, else the carrier dtype that the buffers are viewed as (bfloat16 -> uint16).
-    # Each finds its call by the spec, in the mode's table (``_runs`` or ``_started_runs``).
+    # A movement's spec is None for the dtypes MPI takes as they are, else the carrier dtype
+    # the buffers are viewed as (bfloat16 -> uint16), by which its call is found; a
+    # reduction's, its Spec.
     def all_reduce(self, x, recv, spec, async_op, stream):
-        _, _, avg, view = spec
-        run = (self._started_runs if async_op else self._runs)["all_reduce"][spec]
+        _, _, avg, view, _ = spec
+        run = self._call("all_reduce", async_op, x.dtype, spec)
         if view is None:
             done = run(x, recv)
         else:
@@ -562,20 +441,19 @@ class MPIBackend(HostBackend):
         return recv
 
     def reduce(self, x, recv, spec, root, async_op, stream):
-        _, _, avg, view = spec
-        send = _viewed(x, view)
-        done = (self._started_runs if async_op else self._runs)["reduce"][spec](
-            send, send if recv is x else _viewed(recv, view), root)
-        return self._finish(done, recv, partial(self._divide, recv) if avg and recv is not None
-                            else None)
+        send = _viewed(x, spec.view)
+        done = self._call("reduce", async_op, x.dtype, spec)(
+            send, send if recv is x else _viewed(recv, spec.view), root)
+        return self._finish(done, recv, partial(self._divide, recv)
+                            if spec.avg and recv is not None else None)
 
     def broadcast(self, x, spec, root, async_op, stream):
-        run = (self._started_runs if async_op else self._runs)["broadcast"][spec]
-        return self._finish(run(_viewed(x, spec), root), x)
+        buf = _viewed(x, spec)
+        return self._finish(self._call("broadcast", async_op, buf.dtype)(buf, root), x)
 
     def all_gather(self, x, recv, spec, async_op, stream, unpack=()):
-        run = (self._started_runs if async_op else self._runs)["all_gather"][spec]
-        done = run(_viewed(x, spec), _viewed(recv, spec))
+        send = _viewed(x, spec)
+        done = self._call("all_gather", async_op, send.dtype)(send, _viewed(recv, spec))
         if not unpack:
             return self._finish(done, recv)
         # The result is the list the parts are copied into.
@@ -584,46 +462,46 @@ class MPIBackend(HostBackend):
     def reduce_scatter(self, x, recv, spec, async_op, stream, pack=()):
         for dst, src in pack:   # (a list's parts, into x)
             dst[...] = src
-        _, _, avg, view = spec
-        run = (self._started_runs if async_op else self._runs)["reduce_scatter"][spec]
-        done = run(_viewed(x, view), _viewed(recv, view))
-        return self._finish(done, recv, partial(self._divide, recv) if avg else None)
+        run = self._call("reduce_scatter", async_op, x.dtype, spec)
+        done = run(_viewed(x, spec.view), _viewed(recv, spec.view))
+        return self._finish(done, recv, partial(self._divide, recv) if spec.avg else None)
 
     def all_to_all(self, x, recv, spec, async_op, stream):
-        run = (self._started_runs if async_op else self._runs)["all_to_all"][spec]
-        return self._finish(run(_viewed(x, spec), _viewed(recv, spec)), recv)
+        send = _viewed(x, spec)
+        done = self._call("all_to_all", async_op, send.dtype)(send, _viewed(recv, spec))
+        return self._finish(done, recv)
 
     def all_to_all_v(self, x, recv, spec, send_bytes, recv_bytes, async_op, stream):
         """Uneven parts: ``send_bytes[j]`` go to rank ``j``, ``recv_bytes[i]`` come from ``i``."""
-        run = (self._started_runs if async_op else self._runs)["all_to_all_v"][spec]
-        return self._finish(run(_viewed(x, spec), send_bytes, _viewed(recv, spec), recv_bytes),
-                            recv)
+        send = _viewed(x, spec)
+        run = self._call("all_to_all_v", async_op, send.dtype)
+        return self._finish(run(send, send_bytes, _viewed(recv, spec), recv_bytes), recv)
 
     def scatter(self, x, recv, spec, root, async_op, stream):
-        run = (self._started_runs if async_op else self._runs)["scatter"][spec]
+        into = _viewed(recv, spec)
         send = _viewed(x, spec) if self._rank == root else None
-        return self._finish(run(send, _viewed(recv, spec), root), recv)
+        return self._finish(self._call("scatter", async_op, into.dtype)(send, into, root), recv)
 
     def gather(self, x, recv, spec, root, async_op, stream):
-        run = (self._started_runs if async_op else self._runs)["gather"][spec]
+        send = _viewed(x, spec)
         into = _viewed(recv, spec) if self._rank == root else None
-        return self._finish(run(_viewed(x, spec), into, root), recv)
+        return self._finish(self._call("gather", async_op, send.dtype)(send, into, root), recv)
 
     def send(self, x, spec, peer, async_op, stream):
-        run = (self._started_runs if async_op else self._runs)["send"][spec]
-        return self._finish(run(_viewed(x, spec), peer), None)
+        buf = _viewed(x, spec)
+        return self._finish(self._call("send", async_op, buf.dtype)(buf, peer), None)
 
     def recv(self, x, spec, peer, async_op, stream):
-        run = (self._started_runs if async_op else self._runs)["recv"][spec]
-        return self._finish(run(_viewed(x, spec), peer), x)
+        buf = _viewed(x, spec)
+        return self._finish(self._call("recv", async_op, buf.dtype)(buf, peer), x)
 
     def sendrecv(self, x, spec, dst, buf, src, async_op, stream):
-        run = (self._started_runs if async_op else self._runs)["sendrecv"][spec]
-        return self._finish(run(_viewed(x, spec), dst, _viewed(buf, spec), src), buf)
+        send = _viewed(x, spec)
+        run = self._call("sendrecv", async_op, send.dtype)
+        return self._finish(run(send, dst, _viewed(buf, spec), src), buf)
 
     def barrier(self, async_op: bool = False):
-        return self._finish((self._started_runs if async_op else self._runs)["barrier"][None](),
-                            None)
+        return self._finish(self._call("barrier", async_op, None)(), None)
 
     # -- control traffic: what sizes or checks the next call -------------------------------------
     def gather_ints(self, values: Sequence[int], label: str) -> np.ndarray:
@@ -654,13 +532,13 @@ class MPIBackend(HostBackend):
     # -- batch() blocks: the calls start together when the block ends, which waits for them ------
     def begin_group(self, group: Any) -> None:
         self._group = group
-        self._runs = self._started_runs = self._queued_runs
+        self._modes = (self._queued_calls, self._queued_calls)
 
     def end_group(self, group: Any, cancel: bool) -> None:
         """Start the block's calls and wait for all of them; if the block raised
         (``cancel``), start none: no rank is left matching half a block."""
         self._group = None
-        self._runs, self._started_runs = self._direct_runs
+        self._modes = self.calls
         if group.kind != "host" or cancel:
             return
         for work, (start, args) in zip(group.works, group.calls):

@@ -28,7 +28,7 @@ from ..backends.shapes import JoinedShapes, PartShapes
 from .checks import Checks
 from ..faults.watchdog import Tracker, unwatch
 from .batch import Batch
-from ..backends.mpi import OP_NAMES, PreparedCalls
+from ..backends.mpi import Calls
 from .objects import Objects
 from ..errors import PeerLost
 from ..run import exit_records
@@ -45,10 +45,13 @@ Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment v
 
 Op = Union[ReduceOp, str]
 _SUM = "sum"
-# An op the prepared calls may take: one of OP_NAMES, compared only as a str or ReduceOp, so
-# that an unhashable op, or one whose == is not a bool, reaches the general path's error.
+# An op the host's calls are looked up by: a str or ReduceOp (hashed as its string), so that
+# an unhashable op, or one whose == is not a bool, reaches the general path's error; never
+# "avg", which divides after its call.
 _OP_TYPES = (str, ReduceOp)
-_HOST = np.ndarray   # arrays of exactly this type may take the prepared calls
+_AVG = "avg"
+_HOST = np.ndarray   # arrays of exactly this type may take the host's calls directly
+_NO_CALLS = Calls()   # (empty) the common case's tables in a batch() block and once closed
 # Whether out and x may overlap (the general path refuses them, or takes another view of x's
 # memory as in place), asked only of views: arrays that own their memory (base None) never do.
 _SHARES = np.may_share_memory
@@ -90,8 +93,7 @@ class Communicator:
         self._router = router = Router(mpi_comm, tracker, checks, device,
                                        local_rank if device_rank is None else device_rank,
                                        device_module)
-        self._prepared = PreparedCalls(router.host)
-        self._blocking, self._started = self._prepared.blocking, self._prepared.started
+        self._blocking, self._started = router.host.calls   # read by the common case
         self._joined = joined = JoinedShapes(self.size)
         self._part_shapes = PartShapes(self.size)
         self._general = GeneralPath(checks, router, Layouts(checks, router, joined), joined)
@@ -171,13 +173,16 @@ class Communicator:
             comm.all_reduce(x, op="max")              # Rank 0: [3, 4]  Rank 1: [3, 4]
         """
         if (type(x) is _HOST and stream is None
-                and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
+                and (op is _SUM or type(op) in _OP_TYPES and op != _AVG)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
                      and out.flags.carray
                      and (out is x or x.base is None is out.base or not _SHARES(x, out)))):
-            run = (self._started if async_op else self._blocking).all_reduce[x.dtype][op]
-            if run is not None:
+            try:
+                run = (self._started if async_op else self._blocking).all_reduce[x.dtype][op]
+            except KeyError:   # not made yet (the general path makes it), or no such call
+                pass
+            else:
                 return run(x, x if out is None else out)
         return self._general.all_reduce(x, op, out, async_op, stream)
 
@@ -193,13 +198,16 @@ class Communicator:
         """
         if (type(x) is _HOST and stream is None and type(root) is int
                 and 0 <= root < self.size
-                and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
+                and (op is _SUM or type(op) in _OP_TYPES and op != _AVG)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
                      and out.flags.carray
                      and (out is x or x.base is None is out.base or not _SHARES(x, out)))):
-            run = (self._started if async_op else self._blocking).reduce[x.dtype][op]
-            if run is not None:
+            try:
+                run = (self._started if async_op else self._blocking).reduce[x.dtype][op]
+            except KeyError:
+                pass
+            else:
                 return run(x, (x if out is None else out) if root == self.rank else None, root)
         return self._general.reduce(x, root, op, out, async_op, stream)
 
@@ -214,8 +222,11 @@ class Communicator:
         """
         if (type(x) is _HOST and stream is None and type(root) is int
                 and 0 <= root < self.size and x.flags.carray):
-            run = (self._started if async_op else self._blocking).broadcast[x.dtype]
-            if run is not None:
+            try:
+                run = (self._started if async_op else self._blocking).broadcast[x.dtype]
+            except KeyError:
+                pass
+            else:
                 return run(x, root)
         return self._general.broadcast(x, root, async_op, stream)
 
@@ -233,8 +244,11 @@ class Communicator:
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape in self._joined[x.shape] and out.flags.carray
                      and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
-            run = (self._started if async_op else self._blocking).all_gather[x.dtype]
-            if run is not None:
+            try:
+                run = (self._started if async_op else self._blocking).all_gather[x.dtype]
+            except KeyError:
+                pass
+            else:
                 return run(x, np.empty(self._joined[x.shape][0], x.dtype) if out is None
                            else out)
         return self._general.all_gather(x, out, async_op, stream)
@@ -250,13 +264,16 @@ class Communicator:
             comm.reduce_scatter(x)   # Rank 0: array([3, 6])   Rank 1: array([9, 12])
         """
         if (type(x) is _HOST and stream is None
-                and (op is _SUM or type(op) in _OP_TYPES and op in OP_NAMES)
+                and (op is _SUM or type(op) in _OP_TYPES and op != _AVG)
                 and x.flags.c_contiguous and (part := self._part_shapes[x.shape]) is not None
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape == part and out.flags.carray
                      and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
-            run = (self._started if async_op else self._blocking).reduce_scatter[x.dtype][op]
-            if run is not None:
+            try:
+                run = (self._started if async_op else self._blocking).reduce_scatter[x.dtype][op]
+            except KeyError:
+                pass
+            else:
                 return run(x, np.empty(part, x.dtype) if out is None else out)
         return self._general.reduce_scatter(x, op, out, async_op, stream)
 
@@ -280,8 +297,11 @@ class Communicator:
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape == x.shape and out.flags.carray
                      and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
-            run = (self._started if async_op else self._blocking).all_to_all[x.dtype]
-            if run is not None:
+            try:
+                run = (self._started if async_op else self._blocking).all_to_all[x.dtype]
+            except KeyError:
+                pass
+            else:
                 return run(x, np.empty(x.shape, x.dtype) if out is None else out)
         return self._general.all_to_all(x, out, in_splits, out_splits, async_op, stream)
 
@@ -302,8 +322,11 @@ class Communicator:
                      or type(x) is _HOST and x.dtype is out.dtype
                      and x.shape in self._joined[out.shape] and x.flags.c_contiguous
                      and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
-            run = (self._started if async_op else self._blocking).scatter[out.dtype]
-            if run is not None:
+            try:
+                run = (self._started if async_op else self._blocking).scatter[out.dtype]
+            except KeyError:
+                pass
+            else:
                 return run(x if root == self.rank else None, out, root)
         return self._general.scatter(x, root, out, async_op, stream)
 
@@ -322,8 +345,11 @@ class Communicator:
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape in self._joined[x.shape] and out.flags.carray
                      and (out is not x and x.base is None is out.base or not _SHARES(x, out)))):
-            run = (self._started if async_op else self._blocking).gather[x.dtype]
-            if run is not None:
+            try:
+                run = (self._started if async_op else self._blocking).gather[x.dtype]
+            except KeyError:
+                pass
+            else:
                 if root != self.rank:
                     out = None
                 elif out is None:
@@ -358,8 +384,11 @@ class Communicator:
                 and type(src) is int and 0 <= dst < size and 0 <= src < size
                 and x.flags.c_contiguous and type(buf) is _HOST and buf.dtype is x.dtype
                 and buf.flags.carray):
-            run = (self._started if async_op else self._blocking).sendrecv[x.dtype]
-            if run is not None:
+            try:
+                run = (self._started if async_op else self._blocking).sendrecv[x.dtype]
+            except KeyError:
+                pass
+            else:
                 return run(x, dst, buf, src)
         return self._general.sendrecv(x, dst, buf, src, async_op, stream)
 
@@ -386,7 +415,7 @@ class Communicator:
                 comm.isend(mine, right)
             # from_left now holds the left neighbour's array: Rank 0: [2, 2]  Rank 1: [0, 0]
         """
-        checks, prepared = self._checks, self._prepared
+        checks = self._checks
         checks.check_open("batch")
         if checks.batch is not None:
             raise checks.fail(RuntimeError, "batch", "batch() blocks do not nest")
@@ -396,7 +425,7 @@ class Communicator:
         for backend in backends:
             backend.begin_group(group)
         checks.batch = group
-        prepared.disable()   # every call inside is queued by the general path
+        self._blocking = self._started = _NO_CALLS   # every call inside: the general path
         cancel = True   # unless the block ends without an exception
         try:
             yield group
@@ -404,7 +433,7 @@ class Communicator:
         finally:
             checks.batch = None
             if not checks.closed:
-                prepared.enable()
+                self._blocking, self._started = self._router.host.calls
             for backend in backends:
                 backend.end_group(group, cancel)
 
@@ -624,7 +653,7 @@ class Communicator:
             return
         self._checks.closed = True
         self._unclosed.detach()
-        self._prepared.disable()
+        self._blocking = self._started = _NO_CALLS
         tracker = self.parts.tracker
         try:   # calls still in flight are waited for while the watchdog still looks
             self._router.close()

@@ -1,20 +1,20 @@
-"""The host's prepared calls (the fast path of a call on NumPy arrays, blocking and with
-async_op): every collective takes them on its common case and gives the general path's result,
-and every bad input of the bad-input suite is still refused, before any communication, while
-they are ready for every (collective, dtype, op)."""
+"""The host's calls as the common case takes them (the fast path of a call on NumPy arrays,
+blocking and with async_op, from the calls the general path made): every collective takes
+them on its common case and gives the general path's result, and every bad input of the
+bad-input suite is still refused, before any communication, while they are ready for every
+(collective, dtype, op)."""
 import inspect
 
 import numpy as np
 import pytest
 
 import cupycomm
-from cupycomm._dtypes import DTYPES
-from cupycomm.backends.mpi import PREPARED
 from arrays import HOST, all_inputs, rank_input
 from test_validation import CASES, READ_ONLY_CASES
 
 F8 = np.float64
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
+PREPARED = REDUCTIONS + ("gather", "scatter", "all_gather", "all_to_all", "broadcast", "sendrecv")
 
 
 def _refuse(*args):
@@ -78,9 +78,13 @@ NAMES = ["all_reduce", "all_reduce out", "reduce", "broadcast", "all_gather", "a
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("name", NAMES)
 def test_the_common_case_takes_the_prepared_call(host, name, async_op, monkeypatch):
-    """With the backend's general methods made to fail, the common case still works: it ran
-    the prepared call, and gave the NumPy reference (async: a Work whose wait() gives it)."""
+    """Once the general path made the call, with the backend's general methods made to fail,
+    the common case still works: it ran that call, and gave the NumPy reference (async: a
+    Work whose wait() gives it)."""
     call, expected = common_calls(AsyncCalls(host) if async_op else host)[name]
+    first = call()
+    if async_op:
+        first.wait()
     monkeypatch.setattr(host.parts.router.host, name.split()[0], _refuse)
     got = call()
     if async_op:
@@ -94,14 +98,26 @@ def test_the_common_case_takes_the_prepared_call(host, name, async_op, monkeypat
 
 def test_a_reduce_op_member_takes_the_same_prepared_call_as_its_string(host, monkeypatch):
     x = rank_input(host.rank, (3,), F8)
-    host.all_reduce(x.copy(), op="max")
-    calls = host._prepared.blocking.all_reduce[x.dtype]
+    host.all_reduce(x.copy(), op="max")   # made by the general path
+    calls = host.parts.router.host.calls[0].all_reduce[x.dtype]
     made, ran = calls["max"], []
     calls["max"] = lambda *args: ran.append(args) or made(*args)
-    monkeypatch.setattr(host.parts.router.host, "prepare", _refuse)   # the lookup must not miss
+    monkeypatch.setattr(host.parts.router.host, "_call", _refuse)   # the lookup must not miss
     got = host.all_reduce(x.copy(), op=cupycomm.ReduceOp.MAX)
     assert len(ran) == 1
     np.testing.assert_array_equal(got, all_inputs(host.size, (3,), F8).max(0))
+
+
+def test_nothing_is_made_that_was_not_asked_for(host):
+    """The first call of a dtype makes its own call only, in its own mode; an "avg" makes the
+    sum's, which the common case then takes for "sum" (and never for "avg": it divides)."""
+    backend = host.parts.router.host
+    host.all_reduce(np.ones(2, np.float32), op="avg")
+    blocking, started = backend.calls
+    assert blocking.all_reduce == {np.dtype(np.float32): {"sum": blocking.all_reduce[
+        np.dtype(np.float32)]["sum"]}}
+    assert all(not getattr(started, name) for name in PREPARED)
+    assert all(not getattr(blocking, name) for name in PREPARED if name != "all_reduce")
 
 
 class Elementwise:
@@ -138,9 +154,9 @@ def test_the_completed_started_calls_are_let_go(host):
 
 
 def test_batch_and_close_take_the_general_path(host, monkeypatch):
-    """Inside a batch() block every call is queued by the general path; after it the prepared
-    calls come back (the lookups made inside kept no "none"); after close, the general path
-    says the communicator is closed."""
+    """Inside a batch() block every call is queued by the general path; after it the common
+    case takes the calls made before; after close, the general path says the communicator is
+    closed."""
     host.all_reduce(np.ones(2))   # the float64 calls made before the block
     with host.batch():
         work = host.all_reduce(np.ones(2))
@@ -155,19 +171,19 @@ def test_batch_and_close_take_the_general_path(host, monkeypatch):
 
 
 def arm_tripwires(comm):
-    """Every prepared call of the communicator (blocking and started, each collective, table
-    dtype and op that has one) made ready, as a call that fails the test if it runs."""
-    prepared = comm._prepared
-    for async_op, tables in ((False, prepared.blocking), (True, prepared.started)):
+    """Every call the general path could make for the common case to find (blocking and
+    started, each collective, dtype and op) made ready, as a call that fails the test if it
+    runs."""
+    backend = comm.parts.router.host
+    for calls in backend.calls:
         for name in PREPARED:
-            by_dtype = getattr(tables, name)
-            for dtype in DTYPES:
-                made = comm.parts.router.host.prepare(name, dtype, name in REDUCTIONS, async_op)
-                if isinstance(made, dict):
-                    by_dtype[dtype] = {op: run and _refuse for op, run in made.items()}
-                else:
-                    by_dtype[dtype] = made and _refuse
-    assert any(getattr(prepared.started, name) for name in PREPARED)
+            by_dtype = getattr(calls, name)
+            if name in REDUCTIONS:
+                for dtype, specs in backend.reductions.items():
+                    by_dtype[dtype] = {spec.key: _refuse for spec in specs.values()}
+            else:
+                by_dtype.update((dtype, _refuse) for dtype, view in backend.movements.items()
+                                if view is None)
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
