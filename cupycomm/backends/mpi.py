@@ -92,201 +92,85 @@ _MOVEMENTS, _REDUCTIONS = _tables()
 
 
 # -- each MPI call, written once ----------------------------------------------------------------
-# One factory per argument shape (after mpi4py's util/pkl5.py, whose bodies take the MPI call
-# as a parameter): it binds ``call`` (the blocking mpi4py method, the nonblocking one, or a
-# batch() block's queue) with the datatype and op, and returns ``run``, one interpreter
-# frame, which makes the watchdog's marks (see ``Marks`` in backends/__init__.py: ``seq``
-# counts the call, one slot of the flight recorder's ring names it, ``busy`` names it while
-# the mpi4py call runs) and the call. A blocking call returns None and ``run`` its result; a
-# started one returns a request, which ``started`` turns into a HostWork. MPIBackend makes
-# each once (``_call``), into its :class:`Calls`, which the general path (MPIBackend's
-# methods) and the Communicator's common case both run. A helper for the marks would cost
-# every call a second frame: each body writes them alike, and tests/faults/test_watchdog.py
-# checks those the common case runs. Their ``except`` clause costs
-# nothing until an MPI call fails (CPython 3.11's exception tables): then a lost peer
-# becomes PeerLost (cupycomm.survivors.lost) where the process survives losses.
+# One factory (after mpi4py's util/pkl5.py, whose bodies take the MPI call as a parameter): it
+# binds ``call`` (the blocking mpi4py method, the nonblocking one, or a batch() block's queue)
+# with the datatype, op and argument shape, and returns ``run``, one interpreter frame, which
+# makes the watchdog's marks (see ``Marks`` in backends/__init__.py: ``seq`` counts the call,
+# one slot of the flight recorder's ring names it, ``busy`` names it while the mpi4py call
+# runs) and the call, in its shape's branch. A blocking call returns None and ``run`` its
+# result; a started one returns a request, which ``started`` turns into a HostWork.
+# MPIBackend makes each once (``_call``), into its :class:`Calls`, which the general path
+# (MPIBackend's methods) and the Communicator's common case both run. A helper for the marks,
+# or one per shape for the arguments, would cost every call a second frame; the branches
+# cost 15 to 55 ns a call against one body per shape (benchmarks/callpath_ab.py).
+# tests/faults/test_watchdog.py checks the marks of those the common case runs. The
+# ``except`` clause costs nothing until an MPI call fails (CPython 3.11's exception tables):
+# then a lost peer becomes PeerLost (cupycomm.survivors.lost) where the process survives.
 Started = Callable[[Any, Any, tuple, str], HostWork]
 
 
-def _reduction(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
-               started: Started) -> Callable:
-    """all_reduce, reduce_scatter: ``run(x, recv)``, in place when ``recv is x``."""
+def _made(call: Callable, shape: str, datatype: Any, op: Any, label: str, marks: Marks,
+          started: Started) -> Callable:
+    """``run`` of one call, its arguments by ``shape`` (see ``_CALLS``): "pair"
+    ``run(x, recv)``, in place when ``recv is x``; "rooted" ``run(x, recv, root)``, ``x`` or
+    ``recv`` None where the rank does not use it; "one" ``run(x, rank)`` (the root, or the
+    peer); "sendrecv" ``run(x, dst, buf, src)``; "vectors" ``run(x, send_counts, recv,
+    recv_counts)`` (counts in ``datatype``); "none" ``run()``."""
     ring, slots = marks.flight.calls, marks.flight.size
+    reduces, rooted = op is not None, shape == "rooted"
+    pair, one, sendrecv = shape == "pair", shape == "one", shape == "sendrecv"
 
-    def run(x, recv):
+    def run(x=None, a=None, b=None, c=None):
         marks.seq = seq = marks.seq + 1
         ring[seq % slots] = label
         marks.busy = label
-        try:
-            request = call(_IN_PLACE if recv is x else [x, datatype], [recv, datatype], op)
+        try:   # (the branches in the order that costs the common calls the fewest tests)
+            if reduces:   # a: recv, b: the root
+                send = _IN_PLACE if a is x else [x, datatype]
+                if rooted:
+                    request = call(send, None if a is None else [a, datatype], op, b)
+                else:
+                    request = call(send, [a, datatype], op)
+            elif pair:   # a: recv
+                request = call([x, datatype], [a, datatype])
+            elif one:   # a: the rank
+                request = call([x, datatype], a)
+                a = x
+            elif rooted:   # a: recv, b: the root
+                request = call(None if x is None else [x, datatype],
+                               None if a is None else [a, datatype], b)
+            elif sendrecv:   # a: dst, b: buf, c: src
+                request = call([x, datatype], a, 0, [b, datatype], c, 0)
+                a = b
+            elif x is not None:   # vectors (a, c: the counts, b: recv); a barrier has no x
+                request = call([x, (a, offsets(a)), datatype], [b, (c, offsets(c)), datatype])
+                a = b
+            else:
+                request = call()
         except _MPI_ERROR as error:
             peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
             raise
         finally:
             marks.busy = None
-        return recv if request is None else started(request, recv, (x, recv), label)
-    return run
-
-
-def _rooted_reduction(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
-                      started: Started) -> Callable:
-    """reduce: ``run(x, recv, root)``, ``recv`` None off the root, in place when ``recv is x``."""
-    ring, slots = marks.flight.calls, marks.flight.size
-
-    def run(x, recv, root):
-        marks.seq = seq = marks.seq + 1
-        ring[seq % slots] = label
-        marks.busy = label
-        try:
-            request = call(_IN_PLACE if recv is x else [x, datatype],
-                           None if recv is None else [recv, datatype], op, root)
-        except _MPI_ERROR as error:
-            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
-            raise
-        finally:
-            marks.busy = None
-        return recv if request is None else started(request, recv, (x, recv), label)
-    return run
-
-
-def _rooted(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
-            started: Started) -> Callable:
-    """gather, scatter: ``run(x, recv, root)``, ``recv`` (gather) or ``x`` (scatter) None
-    off the root."""
-    ring, slots = marks.flight.calls, marks.flight.size
-
-    def run(x, recv, root):
-        marks.seq = seq = marks.seq + 1
-        ring[seq % slots] = label
-        marks.busy = label
-        try:
-            request = call(None if x is None else [x, datatype],
-                           None if recv is None else [recv, datatype], root)
-        except _MPI_ERROR as error:
-            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
-            raise
-        finally:
-            marks.busy = None
-        return recv if request is None else started(request, recv, (x, recv), label)
-    return run
-
-
-def _two_buffers(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
-                 started: Started) -> Callable:
-    """all_gather, all_to_all: ``run(x, recv)``."""
-    ring, slots = marks.flight.calls, marks.flight.size
-
-    def run(x, recv):
-        marks.seq = seq = marks.seq + 1
-        ring[seq % slots] = label
-        marks.busy = label
-        try:
-            request = call([x, datatype], [recv, datatype])
-        except _MPI_ERROR as error:
-            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
-            raise
-        finally:
-            marks.busy = None
-        return recv if request is None else started(request, recv, (x, recv), label)
-    return run
-
-
-def _one_buffer(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
-                started: Started) -> Callable:
-    """broadcast, send, recv: ``run(x, rank)`` (the root, or the peer)."""
-    ring, slots = marks.flight.calls, marks.flight.size
-
-    def run(x, rank):
-        marks.seq = seq = marks.seq + 1
-        ring[seq % slots] = label
-        marks.busy = label
-        try:
-            request = call([x, datatype], rank)
-        except _MPI_ERROR as error:
-            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
-            raise
-        finally:
-            marks.busy = None
-        return x if request is None else started(request, x, (x,), label)
-    return run
-
-
-def _sendrecv(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
-              started: Started) -> Callable:
-    """sendrecv: ``run(x, dst, buf, src)``."""
-    ring, slots = marks.flight.calls, marks.flight.size
-
-    def run(x, dst, buf, src):
-        marks.seq = seq = marks.seq + 1
-        ring[seq % slots] = label
-        marks.busy = label
-        try:
-            request = call([x, datatype], dst, 0, [buf, datatype], src, 0)
-        except _MPI_ERROR as error:
-            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
-            raise
-        finally:
-            marks.busy = None
-        return buf if request is None else started(request, buf, (x, buf), label)
-    return run
-
-
-def _vectors(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
-             started: Started) -> Callable:
-    """all_to_all_v: ``run(x, send_counts, recv, recv_counts)``, counts in ``datatype``."""
-    ring, slots = marks.flight.calls, marks.flight.size
-
-    def run(x, send_counts, recv, recv_counts):
-        marks.seq = seq = marks.seq + 1
-        ring[seq % slots] = label
-        marks.busy = label
-        try:
-            request = call([x, (send_counts, offsets(send_counts)), datatype],
-                           [recv, (recv_counts, offsets(recv_counts)), datatype])
-        except _MPI_ERROR as error:
-            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
-            raise
-        finally:
-            marks.busy = None
-        return recv if request is None else started(request, recv, (x, recv), label)
-    return run
-
-
-def _no_buffer(call: Callable, datatype: Any, op: Any, label: str, marks: Marks,
-               started: Started) -> Callable:
-    """barrier: ``run()``."""
-    ring, slots = marks.flight.calls, marks.flight.size
-
-    def run():
-        marks.seq = seq = marks.seq + 1
-        ring[seq % slots] = label
-        marks.busy = label
-        try:
-            request = call()
-        except _MPI_ERROR as error:
-            peer_lost(error, marks, label, seq)   # raises PeerLost where the process survives
-            raise
-        finally:
-            marks.busy = None
-        return None if request is None else started(request, None, (), label)
+        return a if request is None else started(request, a, (x, a), label)
     return run
 
 
 # Each call's shape and its blocking and nonblocking mpi4py methods.
-_CALLS: Dict[str, Tuple[Callable[..., Callable], str, str]] = {
-    "all_reduce": (_reduction, "Allreduce", "Iallreduce"),
-    "reduce_scatter": (_reduction, "Reduce_scatter_block", "Ireduce_scatter_block"),
-    "reduce": (_rooted_reduction, "Reduce", "Ireduce"),
-    "gather": (_rooted, "Gather", "Igather"),
-    "scatter": (_rooted, "Scatter", "Iscatter"),
-    "all_gather": (_two_buffers, "Allgather", "Iallgather"),
-    "all_to_all": (_two_buffers, "Alltoall", "Ialltoall"),
-    "all_to_all_v": (_vectors, "Alltoallv", "Ialltoallv"),
-    "broadcast": (_one_buffer, "Bcast", "Ibcast"),
-    "send": (_one_buffer, "Send", "Isend"),
-    "recv": (_one_buffer, "Recv", "Irecv"),
-    "sendrecv": (_sendrecv, "Sendrecv", "Isendrecv"),
-    "barrier": (_no_buffer, "Barrier", "Ibarrier"),
+_CALLS: Dict[str, Tuple[str, str, str]] = {
+    "all_reduce": ("pair", "Allreduce", "Iallreduce"),
+    "reduce_scatter": ("pair", "Reduce_scatter_block", "Ireduce_scatter_block"),
+    "reduce": ("rooted", "Reduce", "Ireduce"),
+    "gather": ("rooted", "Gather", "Igather"),
+    "scatter": ("rooted", "Scatter", "Iscatter"),
+    "all_gather": ("pair", "Allgather", "Iallgather"),
+    "all_to_all": ("pair", "Alltoall", "Ialltoall"),
+    "all_to_all_v": ("vectors", "Alltoallv", "Ialltoallv"),
+    "broadcast": ("one", "Bcast", "Ibcast"),
+    "send": ("one", "Send", "Isend"),
+    "recv": ("one", "Recv", "Irecv"),
+    "sendrecv": ("sendrecv", "Sendrecv", "Isendrecv"),
+    "barrier": ("none", "Barrier", "Ibarrier"),
 }
 _LABELS = {"all_to_all_v": "all_to_all"}   # what the watchdog calls a call, where not its name
 
@@ -366,7 +250,7 @@ class MPIBackend(HostBackend):
             pass
         if spec is not None:   # a reduction's: under the dtype, by its key
             calls, dtype = calls.setdefault(dtype, {}), spec.key
-        factory, blocking, nonblocking = _CALLS[name]
+        shape, blocking, nonblocking = _CALLS[name]
         keep: Started
         if self._group is not None:
             call, keep = partial(_queue, getattr(self._comm, nonblocking)), self._queued
@@ -374,8 +258,8 @@ class MPIBackend(HostBackend):
             call = getattr(self._comm, nonblocking if started else blocking)
             keep = self._started
         datatype, op = (_BYTE, None) if spec is None else spec[:2]
-        run = calls[dtype] = factory(call, datatype, op, _LABELS.get(name, name),
-                                     self._tracker, keep)
+        run = calls[dtype] = _made(call, shape, datatype, op, _LABELS.get(name, name),
+                                   self._tracker, keep)
         return run
 
     def _started(self, request: Any, result: Any, keep: tuple, label: str) -> HostWork:
