@@ -79,8 +79,7 @@ class PeerLost(NcclError):
 
 class CommShrunkError(CommClosedError):
     """The communicator was replaced by ``comm.shrink()`` or ``comm.grow()`` (it, its
-    subgroups, its buckets and its prepared calls refuse every call): use the communicator
-    that call returned."""
+    subgroups and its buckets refuse every call): use the communicator that call returned."""
 
 
 class TooFewSurvivors(RuntimeError):
