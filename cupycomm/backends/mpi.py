@@ -54,16 +54,17 @@ def _emulated_op(dtype: np.dtype, carrier: np.dtype, op: ReduceOp) -> MPI.Op:
 
 
 class Spec(NamedTuple):
-    """A reduction's spec: what MPI is handed, and the key of its call in a :class:`Calls`
-    table (under the dtype): the op's string, sum's for ``"avg"`` (the same MPI call), or for
-    an op of ours (a dtype MPI takes as a carrier view) a tuple, which no op string is, so
-    that the Communicator's common case never finds a call that needs a view."""
+    """A reduction's spec: what MPI is handed, and its keys in a :class:`Calls` table (under
+    the dtype): ``key``, the op's string, which the Communicator's common case looks up;
+    ``call``, its MPI call's: the same, but sum's for ``"avg"`` and a tuple (which no op
+    string is) for an op of ours, on a dtype MPI takes as a carrier view."""
 
     datatype: Any            # the MPI datatype
     op: Any                  # the MPI op
     avg: bool                # divided by the size afterwards
     view: Optional[np.dtype]   # the carrier dtype the buffers are viewed as, or None
-    key: Any
+    key: str
+    call: Any
 
 
 def _tables() -> Tuple[Dict[np.dtype, Optional[np.dtype]], Dict[np.dtype, Dict[ReduceOp, Spec]]]:
@@ -82,9 +83,10 @@ def _tables() -> Tuple[Dict[np.dtype, Optional[np.dtype]], Dict[np.dtype, Dict[R
         specs = reductions[dtype] = {}
         for op, applied in row.ops.items():
             avg = applied is ReduceOp.AVG
-            key = "sum" if avg else op.value   # (avg's call is sum's)
-            specs[op] = (Spec(datatype, _MPI_OPS[applied], avg, None, key) if view is None
-                         else Spec(datatype, _emulated_op(dtype, view, applied), avg, view, (key,)))
+            call = "sum" if avg else op.value   # (avg's call is sum's)
+            specs[op] = (Spec(datatype, _MPI_OPS[applied], avg, None, op.value, call)
+                         if view is None else Spec(datatype, _emulated_op(dtype, view, applied),
+                                                   avg, view, op.value, (call,)))
     return movements, reductions
 
 
@@ -186,12 +188,27 @@ def _viewed(a: Any, view: Any) -> Any:
     return a if view is None or a is None else a.view(view)
 
 
+# A call's entry for the common case where its MPI call views the buffers or divides after:
+# the backend's method, with the spec and mode bound, taking the common case's arguments.
+_THROUGH: Dict[str, Callable[[Callable, Any, bool], Callable]] = {
+    "pair": lambda method, spec, started: lambda x, recv: method(x, recv, spec, started, None),
+    "rooted": lambda method, spec, started: lambda x, recv, root: method(x, recv, spec, root,
+                                                                         started, None),
+    "one": lambda method, spec, started: lambda x, rank: method(x, spec, rank, started, None),
+    "sendrecv": lambda method, spec, started: lambda x, dst, buf, src: method(
+        x, spec, dst, buf, src, started, None),
+}
+
+
 class Calls:
     """The calls of one mode (blocking, started, or queued in a batch() block), each made
-    once: an attribute per call of ``_CALLS``, a dict by the dtype MPI is handed, which gives
-    the call (a reduction's: a dict by :attr:`Spec.key` that does). The general path fills it
-    (:meth:`MPIBackend._call`, on a miss); the Communicator's common case reads it,
-    ``calls.all_reduce[x.dtype][op]``, and takes the general path on a KeyError."""
+    once: an attribute per call of ``_CALLS``, a dict by dtype (a reduction's: then by
+    :attr:`Spec.key`, the op's string) that gives its call, run as the common case passes
+    its arguments. Where the MPI call views the buffers or divides after, that entry runs the
+    backend's method (``_THROUGH``), and the MPI call has its own: by the carrier dtype, or
+    by :attr:`Spec.call`. The general path fills it (:meth:`MPIBackend._call`); the
+    Communicator's common case reads it, ``calls.all_reduce[x.dtype][op]``, and takes the
+    general path on a KeyError."""
 
     __slots__ = tuple(_CALLS)
 
@@ -238,28 +255,30 @@ class MPIBackend(HostBackend):
         self._queued_calls = Calls()
 
     # -- the calls, and what finishes one -------------------------------------------------------
-    def _call(self, name: str, started: bool, dtype: Any, spec: Optional[Spec] = None
-              ) -> Callable:
-        """Call ``name`` on buffers of ``dtype`` as MPI takes them (a reduction's with
-        ``spec``): blocking, or started (``started``), or inside a batch() block queued to
-        start when the block ends. Found in the mode's :class:`Calls`, or made there."""
+    def _call(self, name: str, started: bool, dtype: Any, spec: Any = None) -> Callable:
+        """Call ``name``'s MPI call on arrays of ``dtype`` with ``spec`` (its view, or its
+        :class:`Spec`): blocking, or started (``started``), or inside a batch() block queued
+        to start when the block ends; found in the mode's :class:`Calls`, or made there, and
+        the common case's entry with it."""
         calls = getattr(self._modes[started], name)
-        try:
-            return calls[dtype] if spec is None else calls[dtype][spec.key]
-        except KeyError:
-            pass
-        if spec is not None:   # a reduction's: under the dtype, by its key
-            calls, dtype = calls.setdefault(dtype, {}), spec.key
-        shape, blocking, nonblocking = _CALLS[name]
-        keep: Started
-        if self._group is not None:
-            call, keep = partial(_queue, getattr(self._comm, nonblocking)), self._queued
+        if type(spec) is Spec:
+            calls = calls.get(dtype) or calls.setdefault(dtype, {})
+            key, common, datatype, op = spec.call, spec.key, spec.datatype, spec.op
         else:
-            call = getattr(self._comm, nonblocking if started else blocking)
-            keep = self._started
-        datatype, op = (_BYTE, None) if spec is None else spec[:2]
-        run = calls[dtype] = _made(call, shape, datatype, op, _LABELS.get(name, name),
-                                   self._tracker, keep)
+            key, common, datatype, op = dtype if spec is None else spec, dtype, _BYTE, None
+        shape, blocking, nonblocking = _CALLS[name]
+        run = calls.get(key)
+        if run is None:
+            keep: Started
+            if self._group is not None:
+                call, keep = partial(_queue, getattr(self._comm, nonblocking)), self._queued
+            else:
+                call = getattr(self._comm, nonblocking if started else blocking)
+                keep = self._started
+            run = calls[key] = _made(call, shape, datatype, op, _LABELS.get(name, name),
+                                     self._tracker, keep)
+        if common not in calls and shape in _THROUGH:   # (this MPI call views or divides)
+            calls[common] = _THROUGH[shape](getattr(self, name), spec, started)
         return run
 
     def _started(self, request: Any, result: Any, keep: tuple, label: str) -> HostWork:
@@ -308,10 +327,9 @@ class MPIBackend(HostBackend):
 
     # -- collectives: the general path ------------------------------------------------------------
     # A movement's spec is None for the dtypes MPI takes as they are, else the carrier dtype
-    # the buffers are viewed as (bfloat16 -> uint16), by which its call is found; a
-    # reduction's, its Spec.
+    # the buffers are viewed as (bfloat16 -> uint16); a reduction's, its Spec.
     def all_reduce(self, x, recv, spec, async_op, stream):
-        _, _, avg, view, _ = spec
+        _, _, avg, view, _, _ = spec
         run = self._call("all_reduce", async_op, x.dtype, spec)
         if view is None:
             done = run(x, recv)
@@ -332,12 +350,12 @@ class MPIBackend(HostBackend):
                             if spec.avg and recv is not None else None)
 
     def broadcast(self, x, spec, root, async_op, stream):
-        buf = _viewed(x, spec)
-        return self._finish(self._call("broadcast", async_op, buf.dtype)(buf, root), x)
+        run = self._call("broadcast", async_op, x.dtype, spec)
+        return self._finish(run(_viewed(x, spec), root), x)
 
     def all_gather(self, x, recv, spec, async_op, stream, unpack=()):
-        send = _viewed(x, spec)
-        done = self._call("all_gather", async_op, send.dtype)(send, _viewed(recv, spec))
+        run = self._call("all_gather", async_op, x.dtype, spec)
+        done = run(_viewed(x, spec), _viewed(recv, spec))
         if not unpack:
             return self._finish(done, recv)
         # The result is the list the parts are copied into.
@@ -351,38 +369,36 @@ class MPIBackend(HostBackend):
         return self._finish(done, recv, partial(self._divide, recv) if spec.avg else None)
 
     def all_to_all(self, x, recv, spec, async_op, stream):
-        send = _viewed(x, spec)
-        done = self._call("all_to_all", async_op, send.dtype)(send, _viewed(recv, spec))
-        return self._finish(done, recv)
+        run = self._call("all_to_all", async_op, x.dtype, spec)
+        return self._finish(run(_viewed(x, spec), _viewed(recv, spec)), recv)
 
     def all_to_all_v(self, x, recv, spec, send_bytes, recv_bytes, async_op, stream):
         """Uneven parts: ``send_bytes[j]`` go to rank ``j``, ``recv_bytes[i]`` come from ``i``."""
-        send = _viewed(x, spec)
-        run = self._call("all_to_all_v", async_op, send.dtype)
-        return self._finish(run(send, send_bytes, _viewed(recv, spec), recv_bytes), recv)
+        run = self._call("all_to_all_v", async_op, x.dtype, spec)
+        return self._finish(run(_viewed(x, spec), send_bytes, _viewed(recv, spec), recv_bytes),
+                            recv)
 
     def scatter(self, x, recv, spec, root, async_op, stream):
-        into = _viewed(recv, spec)
+        run = self._call("scatter", async_op, recv.dtype, spec)
         send = _viewed(x, spec) if self._rank == root else None
-        return self._finish(self._call("scatter", async_op, into.dtype)(send, into, root), recv)
+        return self._finish(run(send, _viewed(recv, spec), root), recv)
 
     def gather(self, x, recv, spec, root, async_op, stream):
-        send = _viewed(x, spec)
+        run = self._call("gather", async_op, x.dtype, spec)
         into = _viewed(recv, spec) if self._rank == root else None
-        return self._finish(self._call("gather", async_op, send.dtype)(send, into, root), recv)
+        return self._finish(run(_viewed(x, spec), into, root), recv)
 
     def send(self, x, spec, peer, async_op, stream):
-        buf = _viewed(x, spec)
-        return self._finish(self._call("send", async_op, buf.dtype)(buf, peer), None)
+        run = self._call("send", async_op, x.dtype, spec)
+        return self._finish(run(_viewed(x, spec), peer), None)
 
     def recv(self, x, spec, peer, async_op, stream):
-        buf = _viewed(x, spec)
-        return self._finish(self._call("recv", async_op, buf.dtype)(buf, peer), x)
+        run = self._call("recv", async_op, x.dtype, spec)
+        return self._finish(run(_viewed(x, spec), peer), x)
 
     def sendrecv(self, x, spec, dst, buf, src, async_op, stream):
-        send = _viewed(x, spec)
-        run = self._call("sendrecv", async_op, send.dtype)
-        return self._finish(run(send, dst, _viewed(buf, spec), src), buf)
+        run = self._call("sendrecv", async_op, x.dtype, spec)
+        return self._finish(run(_viewed(x, spec), dst, _viewed(buf, spec), src), buf)
 
     def barrier(self, async_op: bool = False):
         return self._finish(self._call("barrier", async_op, None)(), None)

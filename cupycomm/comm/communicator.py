@@ -46,10 +46,8 @@ Set per communicator by ``init(timeout=)`` or the CUPYCOMM_TIMEOUT environment v
 Op = Union[ReduceOp, str]
 _SUM = "sum"
 # An op the host's calls are looked up by: a str or ReduceOp (hashed as its string), so that
-# an unhashable op, or one whose == is not a bool, reaches the general path's error; never
-# "avg", which divides after its call.
+# an unhashable op, or one whose == is not a bool, reaches the general path's error.
 _OP_TYPES = (str, ReduceOp)
-_AVG = "avg"
 _HOST = np.ndarray   # arrays of exactly this type may take the host's calls directly
 _NO_CALLS = Calls()   # (empty) the common case's tables in a batch() block and once closed
 # Whether out and x may overlap (the general path refuses them, or takes another view of x's
@@ -173,7 +171,7 @@ class Communicator:
             comm.all_reduce(x, op="max")              # Rank 0: [3, 4]  Rank 1: [3, 4]
         """
         if (type(x) is _HOST and stream is None
-                and (op is _SUM or type(op) in _OP_TYPES and op != _AVG)
+                and (op is _SUM or type(op) in _OP_TYPES)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
                      and out.flags.carray
@@ -198,7 +196,7 @@ class Communicator:
         """
         if (type(x) is _HOST and stream is None and type(root) is int
                 and 0 <= root < self.size
-                and (op is _SUM or type(op) in _OP_TYPES and op != _AVG)
+                and (op is _SUM or type(op) in _OP_TYPES)
                 and (x.flags.carray if out is None else x.flags.c_contiguous
                      and type(out) is _HOST and out.dtype is x.dtype and out.shape == x.shape
                      and out.flags.carray
@@ -264,7 +262,7 @@ class Communicator:
             comm.reduce_scatter(x)   # Rank 0: array([3, 6])   Rank 1: array([9, 12])
         """
         if (type(x) is _HOST and stream is None
-                and (op is _SUM or type(op) in _OP_TYPES and op != _AVG)
+                and (op is _SUM or type(op) in _OP_TYPES)
                 and x.flags.c_contiguous and (part := self._part_shapes[x.shape]) is not None
                 and (out is None or type(out) is _HOST and out.dtype is x.dtype
                      and out.shape == part and out.flags.carray

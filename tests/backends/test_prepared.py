@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import cupycomm
+from cupycomm.comm.general import GeneralPath
 from arrays import HOST, all_inputs, rank_input
 from test_validation import CASES, READ_ONLY_CASES
 
@@ -109,15 +110,36 @@ def test_a_reduce_op_member_takes_the_same_prepared_call_as_its_string(host, mon
 
 
 def test_nothing_is_made_that_was_not_asked_for(host):
-    """The first call of a dtype makes its own call only, in its own mode; an "avg" makes the
-    sum's, which the common case then takes for "sum" (and never for "avg": it divides)."""
+    """The first call of a dtype makes its own call only, in its own mode: an "avg" makes
+    the sum's MPI call, and the common case's entry for "avg", which divides after it."""
     backend = host.parts.router.host
     host.all_reduce(np.ones(2, np.float32), op="avg")
     blocking, started = backend.calls
-    assert blocking.all_reduce == {np.dtype(np.float32): {"sum": blocking.all_reduce[
-        np.dtype(np.float32)]["sum"]}}
+    assert list(blocking.all_reduce) == [np.dtype(np.float32)]
+    assert set(blocking.all_reduce[np.dtype(np.float32)]) == {"sum", "avg"}
     assert all(not getattr(started, name) for name in PREPARED)
     assert all(not getattr(blocking, name) for name in PREPARED if name != "all_reduce")
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("dtype,op", [(F8, "avg"), ("bfloat16", "sum"), ("bfloat16", "avg")])
+def test_a_call_that_divides_or_views_takes_the_common_case_once_made(host, monkeypatch,
+                                                                      dtype, op, async_op):
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    comm = AsyncCalls(host) if async_op else host
+    x = rank_input(host.rank, (2 * host.size,), dtype)
+    expected = all_inputs(host.size, x.shape, dtype).astype(F8).sum(0) / (
+        host.size if op == "avg" else 1)
+    results = [comm.all_reduce(x.copy(), op=op), comm.broadcast(x.copy(), root=0)]
+    monkeypatch.setattr(GeneralPath, "all_reduce", _refuse)
+    monkeypatch.setattr(GeneralPath, "broadcast", _refuse)
+    results += [comm.all_reduce(x.copy(), op=op), comm.broadcast(x.copy(), root=0)]
+    if async_op:
+        results = [work.wait() for work in results]
+    for reduced, broadcast in zip(results[0::2], results[1::2]):
+        np.testing.assert_allclose(reduced.astype(F8), expected, rtol=1e-2)
+        np.testing.assert_array_equal(broadcast, rank_input(0, x.shape, dtype))
 
 
 class Elementwise:
@@ -182,8 +204,7 @@ def arm_tripwires(comm):
                 for dtype, specs in backend.reductions.items():
                     by_dtype[dtype] = {spec.key: _refuse for spec in specs.values()}
             else:
-                by_dtype.update((dtype, _refuse) for dtype, view in backend.movements.items()
-                                if view is None)
+                by_dtype.update((dtype, _refuse) for dtype in backend.movements)
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
