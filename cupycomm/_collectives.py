@@ -56,6 +56,8 @@ CALLS: Tuple[Call, ...] = (
          "Alltoall, Alltoallv", "grouped send/recv"),
     Call("scatter", COLLECTIVE, "out", True, ("scatter",), "Scatter", "grouped send/recv"),
     Call("gather", COLLECTIVE, "x", True, ("gather",), "Gather", "grouped send/recv"),
+    Call("scan", COLLECTIVE, "x", True, ("scan",), "Scan"),
+    Call("exscan", COLLECTIVE, "x", True, ("exscan",), "Exscan"),
     Call("barrier", COLLECTIVE, None, True, (), "Barrier", "(MPI)"),
     Call("send", POINT, methods=("send",), mpi_call="Send", nccl_call="send"),
     Call("recv", POINT, methods=("recv",), mpi_call="Recv", nccl_call="recv"),

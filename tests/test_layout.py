@@ -251,8 +251,25 @@ def test_backends_implement_their_whole_contract(backend, protocol):
 
 
 def test_the_contracts_collectives_are_the_tables_backend_methods():
+    """The calls both backends run are the contract's; a call NCCL has no counterpart for
+    (no ``nccl_call``: scan, exscan) is the host backend's alone, refused on the device by
+    name before any backend is made."""
     ours = _methods(backends.Collectives) - {"empty", "begin_group", "end_group", "close"}
-    assert ours == set(_collectives.BACKEND_METHODS)
+    host_only = {m for call in _collectives.CALLS if not call.nccl_call for m in call.methods}
+    assert host_only and ours == set(_collectives.BACKEND_METHODS) - host_only
+    assert all(callable(getattr(MPIBackend, name, None)) for name in host_only)
+    assert not any(hasattr(NcclBackend, name) for name in host_only)
+
+
+def test_every_call_of_the_table_is_a_public_method_with_a_general_path():
+    """docs/internals.md, "Adding a collective": a row of the table of calls that users make
+    with arrays is a Communicator method, and its general path's."""
+    from cupycomm.comm.communicator import Communicator
+    from cupycomm.comm.general import GeneralPath
+    arrays = [call.name for call in _collectives.CALLS if call.methods]
+    assert "scan" in arrays and "all_reduce" in arrays
+    assert [name for name in arrays if not hasattr(Communicator, name)
+            or not hasattr(GeneralPath, name)] == []
 
 
 def test_no_generated_source_runs():

@@ -173,6 +173,8 @@ _CALLS: Dict[str, Tuple[str, str, str]] = {
     "recv": ("one", "Recv", "Irecv"),
     "sendrecv": ("sendrecv", "Sendrecv", "Isendrecv"),
     "barrier": ("none", "Barrier", "Ibarrier"),
+    "scan": ("pair", "Scan", "Iscan"),
+    "exscan": ("pair", "Exscan", "Iexscan"),
 }
 _LABELS = {"all_to_all_v": "all_to_all"}   # what the watchdog calls a call, where not its name
 
@@ -341,6 +343,16 @@ class MPIBackend(HostBackend):
         if avg:   # (the blocking call's finish, without _finish's frame: op="avg" is common)
             self._divide(recv)
         return recv
+
+    def scan(self, x, recv, spec, async_op, stream):
+        send = _viewed(x, spec.view)
+        return self._finish(self._call("scan", async_op, x.dtype, spec)(
+            send, send if recv is x else _viewed(recv, spec.view)), recv)
+
+    def exscan(self, x, recv, spec, async_op, stream):
+        done = self._call("exscan", async_op, x.dtype, spec)(_viewed(x, spec.view),
+                                                             _viewed(recv, spec.view))
+        return self._finish(done, recv if self._rank else None)   # rank 0's is undefined
 
     def reduce(self, x, recv, spec, root, async_op, stream):
         send = _viewed(x, spec.view)

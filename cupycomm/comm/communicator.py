@@ -435,6 +435,27 @@ class Communicator:
             for backend in backends:
                 backend.end_group(group, cancel)
 
+    def scan(self, x: Any, *, op: Op = _SUM, out: Any = None, async_op: bool = False) -> Any:
+        """The reduction of ``x`` over ranks 0 to this one (MPI_Scan), in ``x`` or ``out``.
+        Host arrays only (NCCL has no scan); ``op`` as :meth:`all_reduce`'s, but "avg".
+
+        Example (3 ranks)::
+
+            comm.scan(numpy.array([comm.rank]))   # Rank 0: [0]  Rank 1: [1]  Rank 2: [3]
+        """
+        return self._general.scan(x, op, out, async_op, None)
+
+    def exscan(self, x: Any, *, op: Op = _SUM, out: Any = None, async_op: bool = False) -> Any:
+        """The reduction of ``x`` over the ranks before this one (MPI_Exscan), in a new array
+        or ``out`` (not ``x``); None on rank 0, which has none before it. Host arrays only;
+        ``op`` as :meth:`scan`'s.
+
+        Example (3 ranks)::
+
+            comm.exscan(numpy.array([comm.rank]))   # Rank 0: None  Rank 1: [0]  Rank 2: [1]
+        """
+        return self._general.exscan(x, op, out, async_op, None)
+
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
         """Wait until every rank has called barrier (processes, not CUDA streams: synchronize
         device work first if needed). Example: ``comm.barrier()``."""

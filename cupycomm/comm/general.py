@@ -51,6 +51,42 @@ class GeneralPath:
             out = self._router.check_apart("all_reduce", "out", b, out, x, in_place=True)
         return b.all_reduce(x, out, spec, async_op, stream)
 
+    def scan(self, x: Any, op: Any, out: Any, async_op: bool, stream: Any) -> Any:
+        """``Communicator.scan``."""
+        b, x, spec = self._prefix("scan", x, op, out is None, stream)
+        if out is None:
+            out = x
+        else:
+            out = self._router.check_out("scan", "out", b, out, x, (x.shape,))
+            out = self._router.check_apart("scan", "out", b, out, x, in_place=True)
+        return b.scan(x, out, spec, async_op, stream)
+
+    def exscan(self, x: Any, op: Any, out: Any, async_op: bool, stream: Any) -> Any:
+        """``Communicator.exscan``."""
+        b, x, spec = self._prefix("exscan", x, op, False, stream)
+        if out is None:
+            out = b.empty(x.shape, x.dtype, stream)
+        else:   # (MPI leaves rank 0's undefined: never x, which stays the caller's)
+            out = self._router.check_out("exscan", "out", b, out, x, (x.shape,))
+            self._router.check_apart("exscan", "out", b, out, x)
+        return b.exscan(x, out, spec, async_op, stream)
+
+    def _prefix(self, name: str, x: Any, op: Any, writes: bool, stream: Any) -> Any:
+        """(backend, array, spec) of a prefix reduction: host arrays only, no average."""
+        device = self._router.classify(x) == "device"   # (refused before a backend is made)
+        if not device:
+            b, x, spec = self._route(name, "x", x, op, writes=writes, stream=stream)
+        if device or b.device_id is not None:
+            self._checks.check_open(name)
+            raise self._checks.fail(TypeError, name, f"NCCL has no {name}, so it takes host "
+                                                     f"arrays only; for device arrays, "
+                                                     f"all_gather, then reduce the first parts")
+        if spec.avg:
+            raise self._checks.fail(ValueError, name, f"op 'avg' has no {name} (each rank would "
+                                                      f"divide by its own count): sum, then "
+                                                      f"divide by the ranks summed")
+        return b, x, spec
+
     def reduce(self, x: Any, root: int, op: Any, out: Any, async_op: bool,
                stream: Any) -> Any:
         """``Communicator.reduce``."""
