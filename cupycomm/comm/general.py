@@ -44,21 +44,13 @@ class GeneralPath:
     def all_reduce(self, x: Any, op: Any, out: Any, async_op: bool, stream: Any) -> Any:
         """``Communicator.all_reduce``."""
         b, x, spec = self._route("all_reduce", "x", x, op, writes=out is None, stream=stream)
-        if out is None:
-            out = x
-        else:
-            out = self._router.check_out("all_reduce", "out", b, out, x, (x.shape,))
-            out = self._router.check_apart("all_reduce", "out", b, out, x, in_place=True)
+        out = x if out is None else self._reduced_into("all_reduce", b, out, x)
         return b.all_reduce(x, out, spec, async_op, stream)
 
     def scan(self, x: Any, op: Any, out: Any, async_op: bool, stream: Any) -> Any:
         """``Communicator.scan``."""
         b, x, spec = self._prefix("scan", x, op, out is None, stream)
-        if out is None:
-            out = x
-        else:
-            out = self._router.check_out("scan", "out", b, out, x, (x.shape,))
-            out = self._router.check_apart("scan", "out", b, out, x, in_place=True)
+        out = x if out is None else self._reduced_into("scan", b, out, x)
         return b.scan(x, out, spec, async_op, stream)
 
     def exscan(self, x: Any, op: Any, out: Any, async_op: bool, stream: Any) -> Any:
@@ -70,6 +62,12 @@ class GeneralPath:
             out = self._router.check_out("exscan", "out", b, out, x, (x.shape,))
             self._router.check_apart("exscan", "out", b, out, x)
         return b.exscan(x, out, spec, async_op, stream)
+
+    def _reduced_into(self, name: str, b: Any, out: Any, x: Any) -> Any:
+        """``out`` of an elementwise reduction of ``x``, checked (``x`` where it is ``x``'s
+        very memory: the in-place form)."""
+        out = self._router.check_out(name, "out", b, out, x, (x.shape,))
+        return self._router.check_apart(name, "out", b, out, x, in_place=True)
 
     def _prefix(self, name: str, x: Any, op: Any, writes: bool, stream: Any) -> Any:
         """(backend, array, spec) of a prefix reduction: host arrays only, no average."""
@@ -93,8 +91,7 @@ class GeneralPath:
         b, x, spec = self._route("reduce", "x", x, op, writes=out is None, stream=stream)
         self._checks.check_rank("reduce", "root", root)
         if out is not None:   # checked wherever given, so that every rank fails alike
-            out = self._router.check_out("reduce", "out", b, out, x, (x.shape,))
-            out = self._router.check_apart("reduce", "out", b, out, x, in_place=True)
+            out = self._reduced_into("reduce", b, out, x)
         if self._rank != root:
             out = None
         elif out is None:
