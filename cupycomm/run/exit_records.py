@@ -57,6 +57,14 @@ def start() -> None:
     _record_uncaught()
 
 
+def _write(path: str, rank: int, size: Optional[int], state: str, detail: str,
+           **more: bool) -> None:
+    """Replace the record at ``path`` whole (OSError or SharedFileRefused where it cannot)."""
+    private.replace_file(path, json.dumps({
+        "rank": rank, "size": size, "node": _bootstrap.node_name(), "host": socket.gethostname(),
+        "pid": os.getpid(), "state": state, "detail": detail, "survived": _survived, **more}))
+
+
 def watch_before_init() -> None:
     """Under ``cupycomm.run``, record an exception that ends this process before ``init()``,
     as ``raised`` with ``before_init`` set (``import cupycomm`` calls it there): where MPI
@@ -71,12 +79,9 @@ def watch_before_init() -> None:
     def record_before_init(kind, value, tb):
         # init() has not written this rank's record; a forked child is not the rank
         if _path is None and os.getpid() == me:
-            text = json.dumps({"rank": rank, "size": _bootstrap.launcher_number("size"),
-                               "node": _bootstrap.node_name(), "host": socket.gethostname(),
-                               "pid": os.getpid(), "state": RAISED, "before_init": True,
-                               "detail": f"{kind.__name__}: {value}", "survived": []})
             try:
-                private.replace_file(_record_path(directory, rank), text)
+                _write(_record_path(directory, rank), rank, _bootstrap.launcher_number("size"),
+                       RAISED, f"{kind.__name__}: {value}", before_init=True)
             except (OSError, SharedFileRefused):
                 pass   # the job's end still names this rank: its peers wait until the timeout
         previous(kind, value, tb)
@@ -92,12 +97,8 @@ def record(state: str, detail: str = "") -> None:
         return
     _state = state
     world = _bootstrap.world()
-    text = json.dumps({"rank": world.Get_rank(), "size": world.Get_size(),
-                       "node": _bootstrap.node_name(), "host": socket.gethostname(),
-                       "pid": os.getpid(), "state": state, "detail": detail,
-                       "survived": _survived})
     try:
-        private.replace_file(_path, text)
+        _write(_path, world.Get_rank(), world.Get_size(), state, detail)
     except (OSError, SharedFileRefused) as error:   # gone (the launcher ended), or not the
         # job's (another user's in its place): say so, go on
         sys.stderr.write(f"cupycomm: could not record this rank's end in {_path}: {error}\n")
